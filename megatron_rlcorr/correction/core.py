@@ -1,0 +1,90 @@
+"""`compute_rollout_correction`: the public entry point of the correction (SPEC section 7)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import RolloutCorrectionConfig
+from .context import LOG_RATIO_BOUND, Context, Counts
+from .offpolicy import OffPolicyMetrics
+from .rejection import Rejection, Veto
+from .segments import Segments
+from .validate import check_layout, check_values
+from .weights import ImportanceWeights
+
+METRIC_PREFIX = "rollout_corr/"
+
+
+@dataclass
+class CorrectionResult:
+    is_weights: torch.Tensor | None    # float32, like old_log_prob; None when rollout_is is None
+    response_mask: torch.Tensor        # the input mask with rejected tokens removed; same dtype
+    metrics: dict[str, torch.Tensor]   # "rollout_corr/<name>" -> 0-d float32 tensor, equal on all ranks
+
+
+def compute_rollout_correction(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    cu_seqlens: torch.Tensor | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    check_inputs: bool = True,
+) -> CorrectionResult:
+    """IS weights, rejection mask and metrics for this rank's shard of the batch.
+
+    Layouts: padded `[B, T]` (rows are sequences) or packed `[N]` with `cu_seqlens` `[S+1]`.
+    Under context parallelism each CP rank passes its part of every sequence (same sequences, same
+    order); per-sequence statistics are all-reduced over `cp_group` before any decision. Batch
+    statistics (metrics, batch normalisation) are reduced over `dp_group`. With
+    `check_inputs=False` the call never synchronises with the host.
+    """
+    if not isinstance(config, RolloutCorrectionConfig):
+        raise ValueError(f"config must be a RolloutCorrectionConfig, got {type(config).__name__}")
+    check_layout(old_log_prob, rollout_log_prob, response_mask, cu_seqlens)
+    if check_inputs:
+        check_values(old_log_prob, rollout_log_prob, response_mask, cu_seqlens)
+
+    ctx = _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens)
+    weights = ImportanceWeights(config) if config.rollout_is is not None else None
+    rejection = Rejection(config) if config.rejection_rules else None
+    veto = Veto(config.rollout_token_veto_threshold)
+    families = [Counts(), OffPolicyMetrics(old_log_prob.float(), rollout_log_prob.float()), veto]
+    families += [f for f in (weights, rejection) if f is not None]
+
+    for family in families:
+        family.rows_phase(ctx)
+    ctx.rows.all_reduce(cp_group)
+    for family in families:
+        family.batch_phase(ctx)
+    ctx.totals.all_reduce(dp_group)
+    metrics: dict[str, torch.Tensor] = {}
+    for family in families[1:]:
+        metrics.update(family.metrics(ctx))
+
+    keep = ctx.mask
+    if rejection is not None:
+        keep = keep & rejection.keep(ctx)
+    if veto.log_threshold is not None:
+        keep = keep & ctx.seg.to_tokens(veto.keep_row)
+    return CorrectionResult(
+        is_weights=weights.weights(ctx) if weights is not None else None,
+        response_mask=keep.to(response_mask.dtype),
+        metrics={METRIC_PREFIX + name: value.float() for name, value in metrics.items()},
+    )
+
+
+def _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens) -> Context:
+    mask = response_mask != 0
+    if cu_seqlens is None:
+        seg = Segments.padded(mask.shape[0])
+    else:
+        seg = Segments.packed(cu_seqlens, mask.numel(), mask.device)
+        # Tokens after cu_seqlens[-1] belong to no sequence: they never count.
+        mask = mask & (seg.row_of_token < seg.num_rows)
+    log_ratio = torch.where(mask, old_log_prob.float() - rollout_log_prob.float(), 0.0)
+    return Context(seg=seg, mask=mask, log_ratio=log_ratio,
+                   clamped=log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))

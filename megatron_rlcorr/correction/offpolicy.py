@@ -1,0 +1,58 @@
+"""Off-policy diagnostics, reported whenever rollout log-probs are present (SPEC 4.6).
+
+kl, k3_kl, chi2_token are token means over the batch; the perplexities, log_ppl_diff family,
+ppl_ratio and chi2_seq are means over non-empty sequences.
+"""
+from __future__ import annotations
+
+import torch
+
+from .context import LOG_RATIO_BOUND, Context, finite_or_zero, per_count
+
+
+class OffPolicyMetrics:
+    def __init__(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> None:
+        self.old_log_prob = old_log_prob
+        self.rollout_log_prob = rollout_log_prob
+
+    def rows_phase(self, ctx: Context) -> None:
+        c = ctx.clamped
+        ctx.rows.add_sum("offpolicy/old", ctx.row_sum(self.old_log_prob))
+        ctx.rows.add_sum("offpolicy/rollout", ctx.row_sum(self.rollout_log_prob))
+        ctx.rows.add_sum("offpolicy/k3", ctx.row_sum(torch.expm1(c) - c))
+        ctx.rows.add_sum("offpolicy/rho2", ctx.row_sum(torch.exp(2 * c)))
+
+    def batch_phase(self, ctx: Context) -> None:
+        rows, totals, n = ctx.rows, ctx.totals, ctx.n_row.clamp(min=1)
+        neg_mean_old = -rows.sum("offpolicy/old") / n          # training log-ppl of each sequence
+        neg_mean_rollout = -rows.sum("offpolicy/rollout") / n  # rollout log-ppl of each sequence
+        diff = neg_mean_old - neg_mean_rollout
+        totals.add_sum("offpolicy/log_ratio", ctx.log_ratio_sum_row.sum())
+        totals.add_sum("offpolicy/k3", rows.sum("offpolicy/k3").sum())
+        totals.add_sum("offpolicy/rho2", rows.sum("offpolicy/rho2").sum())
+        totals.add_sum("offpolicy/training_ppl", ctx.sum_rows(neg_mean_old.exp()))
+        totals.add_sum("offpolicy/training_log_ppl", ctx.sum_rows(neg_mean_old))
+        totals.add_sum("offpolicy/rollout_ppl", ctx.sum_rows(neg_mean_rollout.exp()))
+        totals.add_sum("offpolicy/rollout_log_ppl", ctx.sum_rows(neg_mean_rollout))
+        totals.add_sum("offpolicy/diff", ctx.sum_rows(diff))
+        totals.add_sum("offpolicy/abs_diff", ctx.sum_rows(diff.abs()))
+        totals.add_sum("offpolicy/ppl_ratio", ctx.sum_rows(diff.exp()))
+        totals.add_sum("offpolicy/rho2_seq", ctx.sum_rows(torch.exp(2 * ctx.log_ratio_sum_row.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))))
+        totals.add_max("offpolicy/diff_max", ctx.max_rows(diff))
+        totals.add_min("offpolicy/diff_min", ctx.min_rows(diff))
+
+    def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
+        t, tokens, seqs = ctx.totals, ctx.num_tokens, ctx.num_rows
+        per_seq = {name: per_count(t.sum(f"offpolicy/{name}"), seqs)
+                   for name in ("training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "ppl_ratio")}
+        return {
+            "kl": -per_count(t.sum("offpolicy/log_ratio"), tokens),
+            "k3_kl": per_count(t.sum("offpolicy/k3"), tokens),
+            **per_seq,
+            "log_ppl_diff": per_count(t.sum("offpolicy/diff"), seqs),
+            "log_ppl_abs_diff": per_count(t.sum("offpolicy/abs_diff"), seqs),
+            "log_ppl_diff_max": finite_or_zero(t.max("offpolicy/diff_max")),
+            "log_ppl_diff_min": finite_or_zero(t.min("offpolicy/diff_min")),
+            "chi2_token": per_count(t.sum("offpolicy/rho2"), tokens) - (tokens > 0).double(),
+            "chi2_seq": per_count(t.sum("offpolicy/rho2_seq"), seqs) - (seqs > 0).double(),
+        }

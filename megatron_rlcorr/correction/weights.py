@@ -1,0 +1,60 @@
+"""Importance-sampling weights: token or sequence level, truncation, batch normalisation (SPEC 4.1-4.2)."""
+from __future__ import annotations
+
+import torch
+
+from ..config import RolloutCorrectionConfig
+from .context import Context, exp_clamped, per_count
+from .ratio_metrics import RatioMetrics
+
+BATCH_NORM_MIN_MEAN = 1e-8
+
+
+class ImportanceWeights:
+    def __init__(self, cfg: RolloutCorrectionConfig) -> None:
+        self.level = cfg.rollout_is
+        self.upper = cfg.rollout_is_threshold
+        self.lower = cfg.rollout_is_threshold_lower  # None: truncate from above only
+        self.batch_normalize = cfg.rollout_is_batch_normalize
+        level = "token" if self.level == "token" else "seq_sum"
+        # IS metrics describe the weights before truncation (SPEC 4.1).
+        self.family = RatioMetrics("rollout_is_", level, cfg.rollout_is_threshold, cfg.is_threshold_low_mark)
+
+    def _truncate(self, w: torch.Tensor) -> torch.Tensor:
+        return w.clamp(min=self.lower, max=self.upper)
+
+    def rows_phase(self, ctx: Context) -> None:
+        self.family.rows_phase(ctx)
+        if self.batch_normalize and self.level == "token":
+            ctx.rows.add_sum("is/truncated", ctx.row_sum(self._truncate(ctx.ratio_tok)))
+
+    def batch_phase(self, ctx: Context) -> None:
+        self.family.batch_phase(ctx)
+        if self.level == "sequence":
+            self.weight_row = self._truncate(exp_clamped(ctx.log_ratio_sum_row.float()))
+        if self.batch_normalize:
+            total = (ctx.rows.sum("is/truncated").sum() if self.level == "token"
+                     else ctx.sum_rows(self.weight_row))
+            ctx.totals.add_sum("is/truncated", total)
+
+    def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
+        out = self.family.metrics(ctx)
+        self.norm_factor = None
+        if self.batch_normalize:
+            # token level: mean over valid tokens; sequence level: mean over non-empty sequences.
+            count = ctx.num_tokens if self.level == "token" else ctx.num_rows
+            mean = per_count(ctx.totals.sum("is/truncated"), count)
+            self.norm_factor = torch.where(mean > BATCH_NORM_MIN_MEAN, mean, 1.0)
+            out["rollout_is_batch_norm_factor"] = self.norm_factor
+        return out
+
+    def weights(self, ctx: Context) -> torch.Tensor:
+        """float32 detached weights in the token layout, 0 at masked positions (call after metrics)."""
+        if self.level == "token":
+            w = self._truncate(ctx.ratio_tok)
+        else:
+            w = ctx.seg.to_tokens(self.weight_row)
+        w = torch.where(ctx.mask, w, 0.0)
+        if self.norm_factor is not None:
+            w = w / self.norm_factor.float()
+        return w.detach()

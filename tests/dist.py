@@ -1,0 +1,55 @@
+"""Run a function on N gloo processes on this machine and collect what each rank returns.
+
+Used by every distributed test: `run_distributed(fn, world_size, *args)` returns the list of
+per-rank results (rank order). Collectives get a short timeout so a hang fails the test instead
+of stalling CI; an exception on any rank is re-raised here with its traceback.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args):
+    """Spawn `world_size` processes running fn(rank, world_size, *args); return their results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, out_dir),
+                           nprocs=world_size, join=True, start_method="spawn")
+        results = []
+        for rank in range(world_size):
+            rec = torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
+            if not rec["ok"]:
+                raise AssertionError(f"rank {rank} failed:\n{rec['error']}")
+            results.append(rec["result"])
+        return results
