@@ -52,7 +52,7 @@ def compute_rollout_correction(
     weights = ImportanceWeights(config) if config.rollout_is is not None else None
     rejection = Rejection(config) if config.rejection_rules else None
     veto = Veto(config.rollout_token_veto_threshold)
-    families = [Counts(), OffPolicyMetrics(old_log_prob.float(), rollout_log_prob.float()), veto]
+    families = [Counts(), OffPolicyMetrics(rollout_log_prob), veto]
     families += [f for f in (weights, rejection) if f is not None]
 
     for family in families:

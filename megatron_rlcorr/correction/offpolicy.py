@@ -11,25 +11,28 @@ from .context import LOG_RATIO_BOUND, Context, finite_or_zero, per_count
 
 
 class OffPolicyMetrics:
-    def __init__(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> None:
-        self.old_log_prob = old_log_prob
+    def __init__(self, rollout_log_prob: torch.Tensor) -> None:
         self.rollout_log_prob = rollout_log_prob
 
     def rows_phase(self, ctx: Context) -> None:
         c = ctx.clamped
-        ctx.rows.add_sum("offpolicy/old", ctx.row_sum(self.old_log_prob))
+        # The old log-prob sum is the rollout sum plus the log-ratio sum: one masked pass saved.
         ctx.rows.add_sum("offpolicy/rollout", ctx.row_sum(self.rollout_log_prob))
-        ctx.rows.add_sum("offpolicy/k3", ctx.row_sum(torch.expm1(c) - c))
-        ctx.rows.add_sum("offpolicy/rho2", ctx.row_sum(torch.exp(2 * c)))
+        # expm1 keeps k3 = rho - 1 - c accurate where it is tiny (c ~ 1e-3 gives k3 ~ 5e-7).
+        ctx.rows.add_sum("offpolicy/k3", ctx.row_sum_zero_masked(torch.expm1(c) - c))
+        # rho^2 - 1 = (rho - 1)(rho + 1), zero at masked positions.
+        rho2_minus_one = ctx.ratio_minus_one_tok * (ctx.ratio_tok + 1.0)
+        ctx.rows.add_sum("offpolicy/rho2_minus_one", ctx.row_sum_zero_masked(rho2_minus_one))
 
     def batch_phase(self, ctx: Context) -> None:
         rows, totals, n = ctx.rows, ctx.totals, ctx.n_row.clamp(min=1)
-        neg_mean_old = -rows.sum("offpolicy/old") / n          # training log-ppl of each sequence
-        neg_mean_rollout = -rows.sum("offpolicy/rollout") / n  # rollout log-ppl of each sequence
+        rollout_sum = rows.sum("offpolicy/rollout")
+        neg_mean_old = -(rollout_sum + ctx.log_ratio_sum_row) / n  # training log-ppl of each sequence
+        neg_mean_rollout = -rollout_sum / n                        # rollout log-ppl of each sequence
         diff = neg_mean_old - neg_mean_rollout
         totals.add_sum("offpolicy/log_ratio", ctx.log_ratio_sum_row.sum())
         totals.add_sum("offpolicy/k3", rows.sum("offpolicy/k3").sum())
-        totals.add_sum("offpolicy/rho2", rows.sum("offpolicy/rho2").sum())
+        totals.add_sum("offpolicy/rho2_minus_one", rows.sum("offpolicy/rho2_minus_one").sum())
         totals.add_sum("offpolicy/training_ppl", ctx.sum_rows(neg_mean_old.exp()))
         totals.add_sum("offpolicy/training_log_ppl", ctx.sum_rows(neg_mean_old))
         totals.add_sum("offpolicy/rollout_ppl", ctx.sum_rows(neg_mean_rollout.exp()))
@@ -53,6 +56,6 @@ class OffPolicyMetrics:
             "log_ppl_abs_diff": per_count(t.sum("offpolicy/abs_diff"), seqs),
             "log_ppl_diff_max": finite_or_zero(t.max("offpolicy/diff_max")),
             "log_ppl_diff_min": finite_or_zero(t.min("offpolicy/diff_min")),
-            "chi2_token": per_count(t.sum("offpolicy/rho2"), tokens) - (tokens > 0).double(),
+            "chi2_token": per_count(t.sum("offpolicy/rho2_minus_one"), tokens),
             "chi2_seq": per_count(t.sum("offpolicy/rho2_seq"), seqs) - (seqs > 0).double(),
         }

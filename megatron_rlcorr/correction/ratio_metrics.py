@@ -31,24 +31,29 @@ class RatioMetrics:
     def rows_phase(self, ctx: Context) -> None:
         if self.level != "token":
             return  # sequence levels need only S_i and n_i, which every call reduces
-        v, rows, key = ctx.ratio_tok, ctx.rows, self._key
-        dev = ctx.ratio_minus_one_tok.clamp(self.lo - 1.0, self.hi - 1.0)
-        rows.add_sum(key("v"), ctx.row_sum(v))
-        rows.add_sum(key("dev"), ctx.row_sum(dev))
-        rows.add_sum(key("dev2"), ctx.row_sum(dev * dev))
-        rows.add_sum(key("hi"), ctx.row_sum(v > self.hi))
-        rows.add_sum(key("lo"), ctx.row_sum(v < self.lo))
-        rows.add_max(key("max"), ctx.row_max(v))
-        rows.add_min(key("min"), -ctx.row_max(-v))
+        rows, key, v_minus_one = ctx.rows, self._key, ctx.ratio_minus_one_tok
+        # Masked positions have c = 0, so v = 1 there: with lo <= 1 <= hi they are neither high,
+        # low nor clamped, and every quantity below is already 0 there (no masking pass needed).
+        row_sum = ctx.row_sum_zero_masked if self.lo <= 1.0 <= self.hi else ctx.row_sum
+        dev = v_minus_one.clamp(self.lo - 1.0, self.hi - 1.0)
+        rows.add_sum(key("v_minus_one"), ctx.row_sum_zero_masked(v_minus_one))
+        rows.add_sum(key("dev"), row_sum(dev))
+        rows.add_sum(key("dev2"), row_sum(dev * dev))
+        rows.add_sum(key("hi"), row_sum(ctx.ratio_tok > self.hi))
+        rows.add_sum(key("lo"), row_sum(ctx.ratio_tok < self.lo))
+        # exp is monotone: the extremes of v are exp of the extremes of c.
+        rows.add_max(key("max_log"), ctx.clamped_row_max)
+        rows.add_min(key("min_log"), ctx.clamped_row_min)
 
     def batch_phase(self, ctx: Context) -> None:
         rows, totals, key, n = ctx.rows, ctx.totals, self._key, ctx.n_row
         if self.level == "token":
-            for name in ("v", "dev", "dev2", "hi", "lo"):
+            for name in ("dev", "dev2", "hi", "lo"):
                 totals.add_sum(key(name), rows.sum(key(name)).sum())
-            totals.add_max(key("max"), rows.max(key("max")).max())
-            totals.add_min(key("min"), rows.min(key("min")).min())
-            seq_value = rows.sum(key("v")) / n.clamp(min=1)
+            totals.add_sum(key("v"), rows.sum(key("v_minus_one")).sum() + n.sum())
+            totals.add_max(key("max"), rows.max(key("max_log")).max())
+            totals.add_min(key("min"), rows.min(key("min_log")).min())
+            seq_dev = rows.sum(key("v_minus_one")) / n.clamp(min=1)
         else:
             log_v = self.log_ratio_row(ctx)
             clamped = log_v.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).float()
@@ -61,8 +66,8 @@ class RatioMetrics:
             totals.add_sum(key("lo"), ctx.sum_rows(log_v < math.log(self.lo)))
             totals.add_max(key("max"), ctx.max_rows(log_v))
             totals.add_min(key("min"), ctx.min_rows(log_v))
-            seq_value = v.double()
-        seq_dev = seq_value - 1.0
+            seq_dev = torch.expm1(clamped).double()
+        seq_value = 1.0 + seq_dev  # per-sequence mean ratio s_i
         totals.add_sum(key("seq_dev"), ctx.sum_rows(seq_dev))
         totals.add_sum(key("seq_dev2"), ctx.sum_rows(seq_dev * seq_dev))
         totals.add_sum(key("seq_hi"), ctx.sum_rows(seq_value > self.hi))
@@ -74,9 +79,9 @@ class RatioMetrics:
     def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
         t, key, tokens, seqs = ctx.totals, self._key, ctx.num_tokens, ctx.num_rows
         frac_den = tokens if self.level == "token" else seqs
-        if self.level == "token":
-            v_max, v_min = t.max(key("max")), t.min(key("min"))
-        else:
+        if self.level == "token":  # extremes of the clamped token log-ratio
+            v_max, v_min = t.max(key("max")).exp(), t.min(key("min")).exp()
+        else:  # extremes of the unclamped sequence log-ratio (the seed's definition)
             v_max = t.max(key("max")).clamp(max=LOG_RATIO_BOUND).exp()
             v_min = t.min(key("min")).exp()
         mean_dev = per_count(t.sum(key("dev")), tokens)

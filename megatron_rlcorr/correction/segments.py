@@ -34,12 +34,19 @@ class Segments:
     def is_packed(self) -> bool:
         return self.row_of_token is not None
 
-    def row_sum(self, x_tok: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """[rows] sums of a per-token tensor that is already zero at masked positions."""
+    def row_sum(self, x_tok: torch.Tensor) -> torch.Tensor:
+        """float64 [rows] sums of a per-token tensor that is already zero at masked positions.
+
+        Padded rows are summed in float32 by torch's cascade/tree reduction (error ~eps*log T,
+        and no float64 copy of the tokens on a CPU); packed rows go through a sequential
+        index_add, so they accumulate in float64 to stay independent of how a sequence is split.
+        """
         if not self.is_packed:
-            return x_tok.sum(dim=-1, dtype=dtype)
-        out = torch.zeros(self.num_rows + 1, dtype=dtype, device=x_tok.device)
-        return out.index_add_(0, self.row_of_token, x_tok.to(dtype))[: self.num_rows]
+            if x_tok.dtype == torch.bool:
+                return x_tok.count_nonzero(dim=-1).double()
+            return x_tok.sum(dim=-1).double()
+        out = torch.zeros(self.num_rows + 1, dtype=torch.float64, device=x_tok.device)
+        return out.index_add_(0, self.row_of_token, x_tok.double())[: self.num_rows]
 
     def row_max(self, x_tok: torch.Tensor) -> torch.Tensor:
         """[rows] maxima of a per-token tensor that is already -inf at masked positions."""
@@ -47,6 +54,13 @@ class Segments:
             return x_tok.amax(dim=-1)
         out = torch.full((self.num_rows + 1,), float("-inf"), dtype=x_tok.dtype, device=x_tok.device)
         return out.scatter_reduce_(0, self.row_of_token, x_tok, reduce="amax")[: self.num_rows]
+
+    def row_min(self, x_tok: torch.Tensor) -> torch.Tensor:
+        """[rows] minima of a per-token tensor that is already +inf at masked positions."""
+        if not self.is_packed:
+            return x_tok.amin(dim=-1)
+        out = torch.full((self.num_rows + 1,), float("inf"), dtype=x_tok.dtype, device=x_tok.device)
+        return out.scatter_reduce_(0, self.row_of_token, x_tok, reduce="amin")[: self.num_rows]
 
     def to_tokens(self, x_row: torch.Tensor) -> torch.Tensor:
         """Broadcast a [rows] tensor to the token layout."""
