@@ -1,0 +1,39 @@
+"""Outcome advantages for grouped rollouts (GRPO, RLOO), DAPO's dynamic-sampling filter and its
+soft overlong penalty. Rewards come as [groups, samples_per_prompt]."""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+ADV_EPS = 1e-6
+
+
+def group_advantages(rewards_GN: torch.Tensor, estimator: Literal["grpo", "rloo"],
+                     norm_by_std: bool = True) -> torch.Tensor:
+    """Per-sample advantage from the rewards of its prompt group.
+
+    grpo: (r - group mean) / (group std + eps) (std unbiased; without norm_by_std, r - mean).
+    rloo: r - mean of the OTHER samples of the group = n/(n-1) * (r - group mean).
+    """
+    n = rewards_GN.shape[-1]
+    if n < 2:
+        raise ValueError(f"group advantages need at least 2 samples per prompt (rollout.n), got {n}")
+    centred = rewards_GN - rewards_GN.mean(dim=-1, keepdim=True)
+    if estimator == "rloo":
+        return centred * (n / (n - 1))
+    if not norm_by_std:
+        return centred
+    return centred / (rewards_GN.std(dim=-1, keepdim=True) + ADV_EPS)
+
+
+def informative_groups(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """bool [groups]: groups whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
+    return (rewards_GN.amax(dim=-1) - rewards_GN.amin(dim=-1)) > 0
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (<= 0): linear from 0 at max_new_tokens - buffer to -penalty at the limit."""
+    start = max_new_tokens - buffer
+    excess = (response_lengths.float() - start).clamp(min=0, max=buffer)
+    return -penalty * excess / buffer

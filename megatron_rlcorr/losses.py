@@ -1,0 +1,274 @@
+"""Policy losses for RL with rollout correction: PPO-clip and policy gradient.
+
+Every per-token loss is aggregated as a SUM divided by a normaliser of the whole mini-batch
+(all micro-batches, all DP and CP ranks), computed once per mini-batch by
+`global_loss_normalizers`. The micro-batch losses then add up, over micro-batches and ranks, to
+exactly the mini-batch loss, so the gradient does not depend on the micro-batch size or the
+parallel layout. (Megatron's schedule divides each micro-batch loss by the number of
+micro-batches and DDP averages gradients over DP x CP; the caller undoes both factors.)
+
+Rejection is the mask: a rejected token leaves the numerator and the denominator. Values at
+masked positions may be garbage (NaN, inf) and never reach the loss, its gradient or a metric.
+Importance-sampling weights multiply the per-token loss and are detached.
+
+Layouts: padded `[B, T]` (rows are sequences) or packed `[N]` with `cu_seqlens` `[S+1]` giving
+each sequence's span on this rank (under CP: the local spans, `cu_seqlens_padded / cp`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence, get_args
+
+import torch
+import torch.distributed as dist
+
+LossType = Literal["ppo_clip", "policy_gradient"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+
+LOG_RATIO_BOUND = 20.0  # exp(+-20) stays finite in float32
+
+MetricPartial = tuple[torch.Tensor, torch.Tensor]  # (sum, count), 0-d device tensors
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    loss_type: LossType = "ppo_clip"
+    clip_ratio_low: float = 0.2     # ratio clipped below at 1 - clip_ratio_low
+    clip_ratio_high: float = 0.28   # and above at 1 + clip_ratio_high (DAPO clip-higher)
+    clip_ratio_c: float | None = 3.0  # dual clip: for A < 0 the loss is capped at -A * c
+    loss_agg_mode: LossAggMode = "token-mean"
+    entropy_coeff: float = 0.0      # loss -= entropy_coeff * agg(entropy)
+
+    def __post_init__(self) -> None:
+        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if not 0.0 <= self.clip_ratio_low < 1.0:
+            raise ValueError(f"clip_ratio_low must be in [0, 1) so that 1 - clip_ratio_low > 0, "
+                             f"got {self.clip_ratio_low}")
+        if not 0.0 <= self.clip_ratio_high < math.inf:
+            raise ValueError(f"clip_ratio_high must be a finite number >= 0, got {self.clip_ratio_high}")
+        if self.clip_ratio_c is not None and not 1.0 < self.clip_ratio_c < math.inf:
+            raise ValueError(f"clip_ratio_c must be a finite number > 1 (or None to disable dual "
+                             f"clipping), got {self.clip_ratio_c}")
+        if not math.isfinite(self.entropy_coeff):
+            raise ValueError(f"entropy_coeff must be finite, got {self.entropy_coeff}")
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """Mini-batch denominators for one micro-batch's loss (float64 0-d / [S] tensors)."""
+    num_tokens: torch.Tensor                      # valid tokens of the mini-batch, DP x CP
+    num_seqs: torch.Tensor | None = None          # sequences with >= 1 valid token, DP
+    seq_token_counts: torch.Tensor | None = None  # [S] valid tokens of each WHOLE sequence (CP-summed)
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor                     # 0-d float32: this micro-batch's share of the mini-batch loss
+    metrics: dict[str, MetricPartial]      # token-averaged metrics as (sum, count) partials
+
+
+def policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    normalizer: LossNormalizer,
+    is_weights: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """One micro-batch's policy loss contribution and metric partials.
+
+    log_prob: float32 log pi_theta(token) (differentiable). old_log_prob: log pi_old (PPO-clip;
+    optional for policy gradient, where it only feeds `ppo_kl`). advantages: per token.
+    loss_mask: 1 for tokens that count (response tokens kept by rejection sampling).
+    entropy: per-token entropy, needed when cfg.entropy_coeff != 0 (also reported).
+    All per-token tensors share log_prob's shape: [B, T], or [N] with cu_seqlens.
+    """
+    _check_inputs(log_prob, old_log_prob, advantages, loss_mask, cfg, normalizer, is_weights,
+                  entropy, cu_seqlens)
+    mask = loss_mask != 0
+    adv = _masked(advantages, mask)
+    metrics: dict[str, MetricPartial] = {}
+    num_valid = mask.sum(dtype=torch.float32)
+
+    log_ratio = None
+    if old_log_prob is not None:
+        # where() before any arithmetic: garbage at masked positions gets neither value nor gradient.
+        log_ratio = _masked(log_prob, mask) - _masked(old_log_prob, mask)
+        metrics["ppo_kl"] = (-log_ratio.detach().sum(), num_valid)
+
+    if cfg.loss_type == "ppo_clip":
+        loss_tok, clip_active, dual_clip_active = _ppo_clip(log_ratio, adv, cfg)
+        metrics["pg_clipfrac"] = ((clip_active & mask).sum(dtype=torch.float32), num_valid)
+        metrics["pg_clipfrac_lower"] = ((dual_clip_active & mask).sum(dtype=torch.float32), num_valid)
+    else:
+        loss_tok = -adv * _masked(log_prob, mask)
+    if is_weights is not None:
+        loss_tok = loss_tok * _masked(is_weights.detach(), mask)
+
+    loss = aggregate_loss(loss_tok, cfg.loss_agg_mode, normalizer, cu_seqlens=cu_seqlens)
+    if entropy is not None:
+        entropy_tok = _masked(entropy, mask)
+        metrics["entropy"] = (entropy_tok.detach().sum(), num_valid)
+        if cfg.entropy_coeff != 0.0:
+            loss = loss - cfg.entropy_coeff * aggregate_loss(entropy_tok, cfg.loss_agg_mode, normalizer,
+                                                             cu_seqlens=cu_seqlens)
+    return PolicyLossOutput(loss, metrics)
+
+
+def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor,
+              cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss, and where the clip and the dual clip are active."""
+    ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    loss_tok = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    if cfg.clip_ratio_c is None:
+        return loss_tok, clip_active, torch.zeros_like(clip_active)
+    # Dual clip: a negative advantage with a huge ratio would otherwise give an unbounded loss.
+    cap = -adv * cfg.clip_ratio_c
+    negative = adv < 0
+    dual_clip_active = negative & (loss_tok > cap)
+    loss_tok = torch.where(negative, torch.minimum(loss_tok, cap), loss_tok)
+    return loss_tok, clip_active, dual_clip_active
+
+
+def aggregate_loss(loss_tok: torch.Tensor, agg_mode: LossAggMode, normalizer: LossNormalizer, *,
+                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of a per-token quantity (already 0 at masked positions) over the micro-batch, divided
+    by the mini-batch normaliser of `agg_mode`."""
+    if agg_mode == "token-mean":
+        return loss_tok.sum() / _denominator(normalizer.num_tokens, loss_tok)
+    if agg_mode == "seq-mean-token-sum":
+        # sum_i sum_t l_it is the plain sum: no per-sequence pass needed.
+        return loss_tok.sum() / _denominator(normalizer.num_seqs, loss_tok)
+    per_seq = sequence_sums(loss_tok, cu_seqlens)
+    per_seq = per_seq / _denominator(normalizer.seq_token_counts, loss_tok)
+    return per_seq.sum() / _denominator(normalizer.num_seqs, loss_tok)
+
+
+def global_loss_normalizers(
+    loss_masks_per_microbatch: Sequence[torch.Tensor],
+    agg_mode: LossAggMode,
+    *,
+    cu_seqlens: Sequence[torch.Tensor] | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> list[LossNormalizer]:
+    """The normaliser of each micro-batch of a mini-batch (this rank's micro-batches).
+
+    Call once per mini-batch, with the final loss masks (after rejection). Communication: one
+    all-reduce over cp_group (per-sequence counts, O(sequences)), then one of two numbers over
+    dp_group; for token-mean only a single number travels.
+    """
+    _check_choice("agg_mode", agg_mode, LOSS_AGG_MODES)
+    if cu_seqlens is not None and len(cu_seqlens) != len(loss_masks_per_microbatch):
+        raise ValueError(f"cu_seqlens has {len(cu_seqlens)} entries for {len(loss_masks_per_microbatch)} "
+                         "micro-batches; pass one per micro-batch (or None for the padded layout)")
+    masks = [(m != 0).to(torch.float64) for m in loss_masks_per_microbatch]
+    if agg_mode == "token-mean":
+        num_tokens = torch.stack([m.sum() for m in masks]).sum()
+        _all_reduce_sum(num_tokens, cp_group)
+        _all_reduce_sum(num_tokens, dp_group)
+        return [LossNormalizer(num_tokens) for _ in masks]
+
+    cus = cu_seqlens if cu_seqlens is not None else [None] * len(masks)
+    seq_counts = [sequence_sums(m, cu) for m, cu in zip(masks, cus)]
+    all_counts = torch.cat(seq_counts)
+    _all_reduce_sum(all_counts, cp_group)
+    totals = torch.stack([all_counts.sum(), (all_counts > 0).sum(dtype=torch.float64)])
+    _all_reduce_sum(totals, dp_group)
+    per_microbatch = all_counts.split([c.numel() for c in seq_counts])
+    return [LossNormalizer(totals[0], totals[1], counts) for counts in per_microbatch]
+
+
+def sequence_sums(x_tok: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """[S] per-sequence sums (differentiable): rows of [B, T], or the cu_seqlens spans of [N]."""
+    if cu_seqlens is None:
+        return x_tok.sum(dim=-1)
+    num_seqs = cu_seqlens.numel() - 1
+    position = torch.arange(x_tok.shape[0], device=x_tok.device)
+    # Tokens past cu_seqlens[-1] land in a spill row that is dropped.
+    row = torch.searchsorted(cu_seqlens[1:].to(x_tok.device, torch.int64), position, right=True)
+    return x_tok.new_zeros(num_seqs + 1).index_add(0, row, x_tok)[:num_seqs]
+
+
+def reduce_metric_partials(
+    partials_per_microbatch: Sequence[dict[str, MetricPartial]],
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> dict[str, torch.Tensor]:
+    """Mini-batch means (0-d tensors) of the metric partials of all micro-batches and ranks.
+
+    Every rank must pass the same metric names. One all-reduce per group; 0 where a count is 0.
+    """
+    names = sorted({name for partials in partials_per_microbatch for name in partials})
+    if not names:
+        return {}
+    buffer = torch.stack([
+        torch.stack([torch.stack([p[name][0], p[name][1]]).double()
+                     for p in partials_per_microbatch if name in p]).sum(dim=0)
+        for name in names
+    ])
+    _all_reduce_sum(buffer, cp_group)
+    _all_reduce_sum(buffer, dp_group)
+    means = buffer[:, 0] / buffer[:, 1].clamp(min=1)
+    return {name: means[i].float() for i, name in enumerate(names)}
+
+
+# ---- helpers ----
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x.float(), 0.0)
+
+
+def _denominator(count: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    assert count is not None, "normalizer lacks the count this loss_agg_mode needs"
+    # A zero count only comes with a zero numerator (nothing valid): the loss is then exactly 0.
+    return count.to(like.dtype).clamp(min=1.0)
+
+
+def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
+
+
+def _check_inputs(log_prob, old_log_prob, advantages, loss_mask, cfg, normalizer, is_weights,
+                  entropy, cu_seqlens) -> None:
+    shape = log_prob.shape
+    named = {"old_log_prob": old_log_prob, "advantages": advantages, "loss_mask": loss_mask,
+             "is_weights": is_weights, "entropy": entropy}
+    for name, tensor in named.items():
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected log_prob's {tuple(shape)}")
+    if cu_seqlens is None and log_prob.dim() != 2:
+        raise ValueError(f"log_prob must be [B, T] (padded) or [N] with cu_seqlens (packed), "
+                         f"got shape {tuple(shape)} without cu_seqlens")
+    if cu_seqlens is not None and log_prob.dim() != 1:
+        raise ValueError(f"with cu_seqlens the layout is packed: log_prob must be 1-D [N], "
+                         f"got {tuple(shape)}")
+    if cfg.loss_type == "ppo_clip" and old_log_prob is None:
+        raise ValueError("loss_type='ppo_clip' needs old_log_prob (the ratio's denominator)")
+    if cfg.entropy_coeff != 0.0 and entropy is None:
+        raise ValueError("entropy_coeff != 0 needs the per-token entropy (entropy=...)")
+    agg = cfg.loss_agg_mode
+    if agg != "token-mean" and normalizer.num_seqs is None:
+        raise ValueError(f"loss_agg_mode={agg!r} needs normalizer.num_seqs: build the normalizers "
+                         f"with global_loss_normalizers(..., {agg!r})")
+    if agg == "seq-mean-token-mean" and normalizer.seq_token_counts is None:
+        raise ValueError("loss_agg_mode='seq-mean-token-mean' needs normalizer.seq_token_counts: build the "
+                         "normalizers with global_loss_normalizers(..., 'seq-mean-token-mean')")

@@ -1,0 +1,1 @@
+"""The Megatron side of parallelism: process groups, the CP data layout, CPU support."""

@@ -1,0 +1,144 @@
+"""Run Megatron-Core on a machine without CUDA (development, CI, gloo multi-process tests).
+
+Megatron-Core assumes a GPU in a handful of places that are not about GPU kernels at all. On a
+CPU-only torch build each of them raises ("Torch not compiled with CUDA enabled", or an
+assertion). Measured on megatron-core 0.16.1 (and 0.19.2 with CUDA hidden) with GPTModel (local
+layer spec), TP 1/2, PP 2 through `get_forward_backward_func`, CP 2 (with our
+ContextParallelAttention), DDP, and `get_megatron_optimizer` with Adam in fp32, bf16 and as the
+distributed optimizer, every patch below is hit, and the run fails without it:
+
+1. `torch.cuda.current_device()` is the device of new tensors (rotary frequencies, TP
+   all-gather buffers, pipeline shape buffers, DDP grad buffers): it returns "cpu".
+2. Literal `device="cuda"` allocations: DotProductAttention's default causal mask
+   (transformer/utils.py), the token counter of every pipeline schedule, the optimizer's
+   found_inf / overflow / grad-norm buffers. A torch function mode sends them to the CPU.
+3. `pin_memory=True` and `.cuda()`: the rotary table slice of a CP rank
+   (`get_pos_emb_on_this_cp_rank`), and the tied-embedding copy on the last pipeline stage
+   (`weight.data.cuda()`). The same mode drops the pinning and keeps `.cuda()` on the CPU.
+4. Optimizer and grad-clipping type checks compare `param.type()` with
+   "torch.cuda.FloatTensor" / "torch.cuda.BFloat16Tensor": the mode reports CPU tensors under
+   those names (the dtype part stays truthful).
+5. Pipeline p2p calls `torch.cuda.synchronize()` after batched send/recv: a no-op (gloo
+   operations are complete once waited on).
+6. megatron-core 0.19 only: DDP's `start_grad_sync` takes `torch.cuda.current_stream()` (to
+   wait on CUDA-graph events): it returns a stream stand-in whose waits are no-ops.
+7. The tensor-parallel RNG tracker (`model_parallel_cuda_manual_seed`; DotProductAttention
+   forks it around dropout even at p=0) stores CUDA generator states: a subclass with the same
+   interface on the CPU generator replaces it.
+
+Everything here is process-global and only ever installed when `torch.cuda.is_available()` is
+False, so GPU runs execute Megatron-Core unmodified. The torch function mode is thread-local:
+call `enable_cpu_megatron()` in the thread that runs the model (the main thread).
+Not covered (not needed on CPU): CUDA graphs, activation recomputation (its RNG handling),
+sequence parallelism (torch norms reject it), Transformer Engine and apex fused kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_enabled = False
+
+
+def enable_cpu_megatron() -> bool:
+    """Make Megatron-Core runnable on the CPU; a no-op when CUDA is available.
+
+    Idempotent. Returns True when the CPU patches are active in this process.
+    """
+    global _enabled
+    if torch.cuda.is_available():
+        return False
+    if not _enabled:
+        torch.cuda.current_device = _cpu_current_device
+        torch.cuda.synchronize = _no_synchronize
+        torch.cuda.current_stream = _null_stream
+        _CudaToCpuMode().__enter__()  # stays on the mode stack for the life of the thread
+        _install_cpu_rng_tracker()
+        _enabled = True
+    return True
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def _no_synchronize(device=None) -> None:
+    return None
+
+
+class _NullStream:
+    """A CUDA stream stand-in: CPU work is already ordered, so waiting is a no-op."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+
+def _null_stream(device=None) -> _NullStream:
+    return _NullStream()
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    # A bare integer is a CUDA device index.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Sends tensor creation and transfers aimed at CUDA to the CPU; reports CUDA type names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(args[0])
+            return name if args[0].is_cuda else name.replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")) or kwargs.get("pin_memory"):
+            kwargs = dict(kwargs)
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
+        return func(*args, **kwargs)
+
+
+def _install_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    class CpuRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
+        """Megatron's named RNG states, kept as states of torch's CPU generator."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise ValueError(f"RNG seed {seed} is already tracked")
+            if name in self.states_:
+                raise ValueError(f"RNG state {name!r} is already tracked")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self.states_[name] = torch.get_rng_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise KeyError(f"RNG state {name!r} was never added (call model_parallel_cuda_manual_seed)")
+            outer_state = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer_state)
+
+    # Megatron creates its tracker lazily unless one is marked initialised; seeding
+    # (model_parallel_cuda_manual_seed) then resets and fills ours.
+    megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -1,0 +1,132 @@
+"""The process groups of one run, built once at the entry point and passed to the library.
+
+Megatron-Core internals (distributed optimizer, DDP, pipeline schedules) still read the groups
+from `megatron.core.parallel_state`, so `build_parallel_groups` initialises those globals with
+`initialize_model_parallel` and then exposes the same groups as a `ParallelGroups` object. Every
+function of this library takes that object (or one of its groups) as an argument; nothing else
+here reads `parallel_state`.
+
+Rank layout is Megatron-Core's default order "tp-cp-ep-dp-pp": tensor-parallel ranks are
+neighbours, then context-parallel, then data-parallel, with pipeline stages outermost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Process groups, sizes and ranks of this process for TP, PP, CP and DP.
+
+    `dp` is the pure data-parallel group; `dp_cp` joins data and context parallelism (the group
+    over which weight gradients are reduced and over which every token of a batch is counted).
+    `pg_collection` is what Megatron-Core modules (GPTModel) take as `pg_collection`.
+    """
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    dp_cp: dist.ProcessGroup
+    pg_collection: ProcessGroupCollection
+    vpp_size: int | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return dist.get_world_size(self.tp)
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp)
+
+    @property
+    def pp_size(self) -> int:
+        return dist.get_world_size(self.pp)
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pp)
+
+    @property
+    def cp_size(self) -> int:
+        return dist.get_world_size(self.cp)
+
+    @property
+    def cp_rank(self) -> int:
+        return dist.get_rank(self.cp)
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.dp)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp)
+
+    @property
+    def dp_cp_size(self) -> int:
+        return dist.get_world_size(self.dp_cp)
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return dist.get_rank(self.dp_cp)
+
+    def is_pipeline_first_stage(self, vp_stage: int | None = None) -> bool:
+        """True on the stage holding the embedding (for virtual chunk `vp_stage` if given)."""
+        if vp_stage not in (None, 0):
+            return False
+        return self.pp_rank == 0
+
+    def is_pipeline_last_stage(self, vp_stage: int | None = None) -> bool:
+        """True on the stage holding the output layer (for virtual chunk `vp_stage` if given)."""
+        if vp_stage is not None and vp_stage != (self.vpp_size or 1) - 1:
+            return False
+        return self.pp_rank == self.pp_size - 1
+
+
+def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None) -> ParallelGroups:
+    """Create Megatron-Core's model-parallel groups for this world and return them.
+
+    Call once per process, after `torch.distributed.init_process_group`. The data-parallel size
+    is world_size / (tp * pp * cp).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_parallel_groups needs torch.distributed.init_process_group() first")
+    for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if size < 1:
+            raise ValueError(f"parallel.{name} must be >= 1, got {size}")
+    if vpp is not None and (vpp < 1 or (pp == 1 and vpp > 1)):
+        raise ValueError(f"parallel.vpp={vpp} needs pipeline parallelism (pp > 1) and vpp >= 1, or vpp: null")
+    world_size = dist.get_world_size()
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = "
+                         f"{model_parallel}; launch a multiple of {model_parallel} processes or change "
+                         "parallel.tp/pp/cp")
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("model-parallel groups already exist; call destroy_parallel_groups() first")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+    )
+    return ParallelGroups(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        cp=parallel_state.get_context_parallel_group(),
+        dp=parallel_state.get_data_parallel_group(),
+        dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        vpp_size=vpp,
+    )
+
+
+def destroy_parallel_groups() -> None:
+    """Forget the model-parallel groups (Megatron-Core's globals); the default group stays."""
+    parallel_state.destroy_model_parallel()

@@ -1,0 +1,76 @@
+"""Per-step progress line, `runs/<name>/metrics.jsonl`, and TensorBoard events when installed.
+
+Metrics arrive as 0-d device tensors; they become Python floats here, once per step.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+CONSOLE_KEYS = (
+    ("reward", "reward_mean"), ("len", "response_length_mean"), ("loss", "loss"),
+    ("k3", "rollout_corr/k3_kl"), ("ppl_ratio", "rollout_corr/ppl_ratio"),
+    ("is_mean", "rollout_corr/rollout_is_mean"), ("rs_masked", "rollout_corr/rollout_rs_masked_fraction"),
+    ("veto", "rollout_corr/rollout_is_veto_fraction"), ("tok/s", "throughput/tokens_per_s"),
+)
+
+
+class MetricsLogger:
+    """Writes on one rank only (the caller passes enabled=False elsewhere)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, tensorboard: bool = True,
+                 resume_step: int = 0) -> None:
+        self.enabled, self.total_steps = enabled, total_steps
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step == 0 and self.path.exists():
+            self.path.unlink()
+        elif resume_step:
+            _truncate_after(self.path, resume_step)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                self.writer = None
+
+    def log(self, step: int, metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+        values = {k: float(v) for k, v in metrics.items()}  # the one host transfer per step
+        if not self.enabled:
+            return values
+        record = {"step": step, "time": time.time(), **values}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+        print(self.console_line(step, values), flush=True, file=sys.stdout)
+        return values
+
+    def console_line(self, step: int, values: Mapping[str, float]) -> str:
+        width = 20
+        done = int(width * step / max(self.total_steps, 1))
+        bar = "#" * done + "." * (width - done)
+        fields = " ".join(f"{label}={values[key]:.4g}" for label, key in CONSOLE_KEYS if key in values)
+        return f"[{bar}] step {step}/{self.total_steps} {fields}"
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Drop records of steps after `step` (a resumed run rewrites them)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))

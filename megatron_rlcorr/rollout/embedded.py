@@ -1,0 +1,360 @@
+"""The embedded rollout engine: a batched KV-cache sampler for Qwen2/LLaMA-style decoders in pure torch.
+
+It stands in for vLLM: a separate implementation of the trainer's architecture that receives the
+trainer's weights after every step and runs them with its own numerics, so the trainer and the
+rollout engine disagree on token probabilities the way they do in production.
+
+Architecture: token embedding; per layer RMSNorm -> GQA causal self-attention with rotate-half
+RoPE (optional q/k/v bias) -> residual -> RMSNorm -> SwiGLU MLP down(silu(gate(x)) * up(x)) ->
+residual; final RMSNorm; lm_head (untied; pass the embedding again for tied models).
+
+Precision modes:
+- fp32: weights, activations and norms in float32.
+- bf16: weights and activations in bfloat16; RMSNorm statistics in float32 then cast to bf16
+  before the weight multiply; attention via SDPA on bf16 inputs; log-probs from the bf16 logits
+  cast to float32.
+- fp8: like bf16, but every decoder linear weight (q, k, v, o, gate, up, down) is per-tensor
+  e4m3 quantised-dequantised at load time (precision.fp8_e4m3_qdq), as an FP8 engine does
+  with online weight quantisation. Embedding, norms, biases and lm_head stay bf16, and
+  activations are not quantised (weight-only emulation).
+
+Sequences are left-padded into one batch; positions start at 0 at each prompt's first token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import FinishReason, LogprobsMode, Precision, RolloutBatch
+from .precision import fp8_e4m3_qdq
+
+_LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """Architecture hyper-parameters of the decoder (Megatron-Core names)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    kv_channels: int | None = None  # head dim; None = hidden_size // num_attention_heads
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                     "ffn_hidden_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_query_groups ({self.num_query_groups})")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                             f"({self.num_attention_heads}), or set kv_channels")
+        if self.head_dim % 2:
+            raise ValueError(f"the head dimension must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_base <= 0 or self.norm_epsilon <= 0:
+            raise ValueError(f"rotary_base and norm_epsilon must be > 0, got {self.rotary_base}, {self.norm_epsilon}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+def weight_shapes(shape: DecoderShape, qkv_bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """The neutral weight names every rollout engine loads, with their full (unsharded) shapes."""
+    h, hd, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    q_dim, kv_dim = shape.num_attention_heads * hd, shape.num_query_groups * hd
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (shape.vocab_size, h)}
+    for i in range(shape.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attn_norm.weight": (h,), p + "q.weight": (q_dim, h), p + "k.weight": (kv_dim, h),
+                       p + "v.weight": (kv_dim, h), p + "o.weight": (h, q_dim), p + "mlp_norm.weight": (h,),
+                       p + "gate.weight": (f, h), p + "up.weight": (f, h), p + "down.weight": (h, f)})
+        if qkv_bias:
+            shapes.update({p + "q.bias": (q_dim,), p + "k.bias": (kv_dim,), p + "v.bias": (kv_dim,)})
+    shapes.update({"final_norm.weight": (h,), "lm_head.weight": (shape.vocab_size, h)})
+    return shapes
+
+
+def random_weights(shape: DecoderShape, *, generator: torch.Generator | None = None, std: float = 0.02,
+                   qkv_bias: bool = False) -> dict[str, torch.Tensor]:
+    """A random float32 state dict in the neutral naming: N(0, std) matrices and biases, unit norms."""
+    weights = {}
+    for name, dims in weight_shapes(shape, qkv_bias).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(dims)
+        else:
+            weights[name] = torch.randn(dims, generator=generator) * std
+    return weights
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_dim + 2 kv_dim, H]: q, k and v fused into one matmul
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2F, H]
+    down: torch.Tensor
+
+
+@dataclass
+class _Weights:
+    embed: torch.Tensor
+    layers: list[_Layer]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+@dataclass
+class _KVCache:
+    k: list[torch.Tensor]  # per layer [B, groups, S_max, head_dim]
+    v: list[torch.Tensor]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return normed.to(x.dtype) * weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] token matrix with each sequence right-aligned, and the pad count of every row."""
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        tokens[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+    pads = torch.tensor([width - len(s) for s in seqs], dtype=torch.long)
+    return tokens.to(device), pads.to(device)
+
+
+class EmbeddedEngine:
+    """Rollout engine running the decoder in-process with fp32, bf16 or emulated fp8 numerics."""
+
+    def __init__(self, shape: DecoderShape, *, precision: Precision = "fp32", eos_token_id: int | None = None,
+                 pad_token_id: int = 0, logprobs: LogprobsMode = "tempered",
+                 device: torch.device | str = "cpu") -> None:
+        if precision not in ("fp32", "bf16", "fp8"):
+            raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp8', got {precision!r}")
+        if logprobs not in ("tempered", "processed"):
+            raise ValueError(f"logprobs must be 'tempered' or 'processed', got {logprobs!r}")
+        self.shape = shape
+        self.precision = precision
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.logprobs_mode = logprobs
+        self.device = torch.device(device)
+        self.dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        half = torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim
+        self._inv_freq = (1.0 / shape.rotary_base ** half).float().to(self.device)
+        self.weights: _Weights | None = None  # in the engine's precision, q/k/v and gate/up fused
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        qkv_bias = "layers.0.q.bias" in state_dict
+        expected = weight_shapes(self.shape, qkv_bias)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if missing or unexpected:
+            raise ValueError(f"load_weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
+                             f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} (names as in "
+                             f"rollout.embedded.weight_shapes)")
+        for name, dims in expected.items():
+            tensor = state_dict[name]
+            if tuple(tensor.shape) != dims or not tensor.is_floating_point():
+                raise ValueError(f"load_weights: {name} must be a float tensor of shape {dims}, got "
+                                 f"{tensor.dtype} {tuple(tensor.shape)}")
+        w = {name: self._convert(name, tensor) for name, tensor in state_dict.items()}
+        layers = [self._fuse_layer(w, f"layers.{i}.", qkv_bias) for i in range(self.shape.num_layers)]
+        self.weights = _Weights(embed=w["embed.weight"], layers=layers, final_norm=w["final_norm.weight"],
+                                lm_head=w["lm_head.weight"])
+
+    def _convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach().to(self.device, torch.float32)
+        is_decoder_linear = name.endswith(".weight") and name.split(".")[-2] in _LINEAR_NAMES
+        if self.precision == "fp8" and is_decoder_linear:
+            tensor = fp8_e4m3_qdq(tensor)
+        return tensor.to(self.dtype).contiguous()
+
+    @staticmethod
+    def _fuse_layer(w: dict[str, torch.Tensor], p: str, qkv_bias: bool) -> _Layer:
+        bias = torch.cat([w[p + "q.bias"], w[p + "k.bias"], w[p + "v.bias"]]) if qkv_bias else None
+        return _Layer(attn_norm=w[p + "attn_norm.weight"],
+                      qkv=torch.cat([w[p + "q.weight"], w[p + "k.weight"], w[p + "v.weight"]]), qkv_bias=bias,
+                      o=w[p + "o.weight"], mlp_norm=w[p + "mlp_norm.weight"],
+                      gate_up=torch.cat([w[p + "gate.weight"], w[p + "up.weight"]]), down=w[p + "down.weight"])
+
+    # ---- model ---------------------------------------------------------------------------------
+
+    def _new_cache(self, batch: int, max_len: int) -> _KVCache:
+        dims = (batch, self.shape.num_query_groups, max_len, self.shape.head_dim)
+        layers = range(self.shape.num_layers)
+        return _KVCache(k=[torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in layers],
+                        v=[torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in layers])
+
+    def _rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions_BT.unsqueeze(-1).float() * self._inv_freq  # [B, T, hd/2]
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [B, 1, T, hd]
+        return angles.cos(), angles.sin()
+
+    def _apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+
+    def _attention(self, x_BTH: torch.Tensor, layer: _Layer, idx: int, rope: tuple[torch.Tensor, torch.Tensor],
+                   mask_B1TS: torch.Tensor, cache: _KVCache, start: int) -> torch.Tensor:
+        s = self.shape
+        batch, seq, _ = x_BTH.shape
+        q_dim, kv_dim = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
+        q, k, v = F.linear(x_BTH, layer.qkv, layer.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = self._apply_rope(q.view(batch, seq, -1, s.head_dim).transpose(1, 2), *rope)
+        k = self._apply_rope(k.view(batch, seq, -1, s.head_dim).transpose(1, 2), *rope)
+        end = start + seq
+        cache.k[idx][:, :, start:end] = k
+        cache.v[idx][:, :, start:end] = v.view(batch, seq, -1, s.head_dim).transpose(1, 2)
+        group = s.num_attention_heads // s.num_query_groups
+        keys = cache.k[idx][:, :, :end].repeat_interleave(group, dim=1)
+        values = cache.v[idx][:, :, :end].repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B1TS)
+        return F.linear(out.transpose(1, 2).reshape(batch, seq, q_dim), layer.o)
+
+    def _mlp(self, x_BTH: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        gate, up = F.linear(x_BTH, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)
+
+    def _hidden(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, mask_B1TS: torch.Tensor,
+                cache: _KVCache, start: int) -> torch.Tensor:
+        """Final-norm hidden states of `tokens_BT`, written into the cache at [start, start + T)."""
+        weights, eps = self.weights, self.shape.norm_epsilon
+        assert weights is not None
+        rope = self._rope(positions_BT)
+        x = F.embedding(tokens_BT, weights.embed)
+        for idx, layer in enumerate(weights.layers):
+            x = x + self._attention(_rms_norm(x, layer.attn_norm, eps), layer, idx, rope, mask_B1TS, cache, start)
+            x = x + self._mlp(_rms_norm(x, layer.mlp_norm, eps), layer)
+        return _rms_norm(x, weights.final_norm, eps)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weights.lm_head).float()
+
+    def _prefill(self, tokens_BL: torch.Tensor, pads_B: torch.Tensor, cache: _KVCache) -> torch.Tensor:
+        """Hidden states of left-padded sequences. Padding keys are masked; a padding query sees only
+        itself so that no row is fully masked (which would give NaN that leaks through the cache)."""
+        width = tokens_BL.shape[1]
+        cols = torch.arange(width, device=self.device)
+        positions = (cols - pads_B[:, None]).clamp(min=0)
+        key_valid = cols[None, :] >= pads_B[:, None]  # [B, L]
+        causal = cols[:, None] >= cols[None, :]  # [L(query), L(key)]
+        diag = torch.eye(width, dtype=torch.bool, device=self.device)
+        mask = causal & (key_valid[:, None, :] | diag)  # [B, L, L]
+        return self._hidden(tokens_BL, positions, mask.unsqueeze(1), cache, start=0)
+
+    def _check_ready(self, prompts: list[list[int]]) -> None:
+        if self.weights is None:
+            raise RuntimeError("EmbeddedEngine: call load_weights() before generate() or score()")
+        if not prompts:
+            raise ValueError("need at least one prompt")
+        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+        if empty:
+            raise ValueError(f"prompts {empty[:5]} are empty; every prompt needs at least one token (e.g. BOS)")
+
+    # ---- public --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, generator: torch.Generator | None = None) -> RolloutBatch:
+        self._check_ready(prompts)
+        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1; got {max_new_tokens}, "
+                             f"{temperature}, {top_p}")
+        tokens_BL, pads_B = _left_pad(prompts, self.pad_token_id, self.device)
+        batch, width = tokens_BL.shape
+        cache = self._new_cache(batch, width + max_new_tokens)
+        key_valid = torch.ones(batch, width + max_new_tokens, dtype=torch.bool, device=self.device)
+        key_valid[:, :width] = torch.arange(width, device=self.device)[None, :] >= pads_B[:, None]
+        logits_BV = self._logits(self._prefill(tokens_BL, pads_B, cache)[:, -1])
+
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        sampled, logprobs = [], []
+        for step in range(max_new_tokens):
+            token_B, logprob_B = _sample(logits_BV, temperature, top_p, generator, self.logprobs_mode)
+            lengths += ~finished
+            sampled.append(token_B.masked_fill(finished, self.pad_token_id))
+            logprobs.append(logprob_B)
+            if self.eos_token_id is not None:
+                finished |= token_B == self.eos_token_id
+            # One host sync per token: stop as soon as every sequence has ended.
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            cur = width + step
+            positions = (width - pads_B + step)[:, None]
+            mask = key_valid[:, None, None, : cur + 1]
+            hidden = self._hidden(token_B[:, None], positions, mask, cache, start=cur)
+            logits_BV = self._logits(hidden[:, -1])
+        return _to_batch(prompts, torch.stack(sampled, 1), torch.stack(logprobs, 1), lengths, finished)
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], responses: list[list[int]], *,
+              temperature: float = 1.0) -> list[torch.Tensor]:
+        """Teacher-forced float32 log-probs (CPU) of each response token: log_softmax(logits / T), with
+        T = 0 read as 1, in the engine's precision; no sampling, no top-p."""
+        self._check_ready(prompts)
+        if len(prompts) != len(responses):
+            raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        tokens_BL, pads_B = _left_pad(seqs, self.pad_token_id, self.device)
+        width = tokens_BL.shape[1]
+        hidden = self._prefill(tokens_BL, pads_B, self._new_cache(len(seqs), width))
+        scale = temperature if temperature > 0 else 1.0
+        logp = torch.log_softmax(self._logits(hidden[:, :-1]) / scale, dim=-1)
+        logp_BT = logp.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1).cpu()
+        return [logp_BT[i, width - 1 - len(r): width - 1].clone() for i, r in enumerate(responses)]
+
+
+def _sample(logits_BV: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+            mode: LogprobsMode) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled token ids and their float32 log-probs (see base.py for the convention)."""
+    if temperature == 0:
+        token_B = logits_BV.argmax(dim=-1)
+        return token_B, torch.log_softmax(logits_BV, dim=-1).gather(-1, token_B[:, None]).squeeze(-1)
+    logp_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
+    sample_logp_BV = _nucleus(logp_BV, top_p) if top_p < 1 else logp_BV
+    token_B = torch.multinomial(sample_logp_BV.exp(), 1, generator=generator).squeeze(-1)
+    reported = torch.log_softmax(sample_logp_BV, dim=-1) if mode == "processed" else logp_BV
+    return token_B, reported.gather(-1, token_B[:, None]).squeeze(-1)
+
+
+def _nucleus(logp_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logp with -inf outside the smallest set of most likely tokens whose mass reaches top_p."""
+    sorted_logp, order = logp_BV.sort(dim=-1, descending=True)
+    probs = sorted_logp.exp()
+    mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always has 0 before it
+    drop = torch.zeros_like(logp_BV, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+    return logp_BV.masked_fill(drop, float("-inf"))
+
+
+def _to_batch(prompts: list[list[int]], tokens_BN: torch.Tensor, logprobs_BN: torch.Tensor, lengths_B: torch.Tensor,
+              finished_B: torch.Tensor) -> RolloutBatch:
+    tokens, lengths, finished = tokens_BN.tolist(), lengths_B.tolist(), finished_B.tolist()
+    logprobs_BN = logprobs_BN.float().cpu()
+    reasons: list[FinishReason] = ["eos" if f else "length" for f in finished]
+    return RolloutBatch(prompt_ids=[list(p) for p in prompts],
+                        response_ids=[row[:n] for row, n in zip(tokens, lengths)],
+                        logprobs=[logprobs_BN[i, :n].clone() for i, n in enumerate(lengths)],
+                        finish_reasons=reasons)

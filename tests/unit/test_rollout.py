@@ -1,0 +1,292 @@
+"""The embedded rollout engine against an independent full-recompute forward of the same weights."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_rlcorr.rollout import (DecoderShape, EmbeddedEngine, RolloutBatch, RolloutConfig, RolloutEngine,
+                                     make_engine, random_weights, weight_shapes)
+from megatron_rlcorr.rollout.precision import E4M3_MAX, fp8_e4m3_qdq, round_to_e4m3
+
+SHAPE = DecoderShape(vocab_size=23, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=48, rotary_base=500.0, norm_epsilon=1e-5)
+EOS = 2
+
+
+def make_weights(seed: int = 0, std: float = 0.3, qkv_bias: bool = True) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weights = random_weights(SHAPE, generator=g, std=std, qkv_bias=qkv_bias)
+    for name in weights:
+        if name.endswith("norm.weight"):  # non-trivial norm weights, so a skipped multiply shows
+            weights[name] = 1.0 + 0.2 * torch.randn(weights[name].shape, generator=g)
+    return weights
+
+
+def engine(weights: dict[str, torch.Tensor], precision: str = "fp32", **kwargs) -> EmbeddedEngine:
+    eng = EmbeddedEngine(SHAPE, precision=precision, eos_token_id=kwargs.pop("eos", None), **kwargs)
+    eng.load_weights(weights)
+    return eng
+
+
+def prompts(n: int, seed: int = 1, min_len: int = 1, max_len: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [[1] + torch.randint(3, SHAPE.vocab_size, (n_tok - 1,), generator=g).tolist() for n_tok in lengths]
+
+
+def reference_logits(w: dict[str, torch.Tensor], tokens: list[int]) -> torch.Tensor:
+    """[T, V] float64 logits of one unpadded sequence: every position recomputed, one head at a time."""
+    s, hd = SHAPE, SHAPE.head_dim
+    w = {k: v.double() for k, v in w.items()}
+    n_tok = len(tokens)
+
+    def rms(x, gain):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + s.norm_epsilon) * gain
+
+    inv_freq = 1.0 / s.rotary_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angle = torch.arange(n_tok, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [T, hd/2]
+
+    def rope(x):  # [T, hd]: rotate the pairs (i, i + hd/2) by angle i
+        a, b = x[:, : hd // 2], x[:, hd // 2:]
+        return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], dim=-1)
+
+    x = w["embed.weight"][torch.tensor(tokens)]
+    future = torch.ones(n_tok, n_tok, dtype=torch.bool).triu(1)
+    for i in range(s.num_layers):
+        p = f"layers.{i}."
+        h = rms(x, w[p + "attn_norm.weight"])
+        q = h @ w[p + "q.weight"].T + w.get(p + "q.bias", 0.0)
+        k = h @ w[p + "k.weight"].T + w.get(p + "k.bias", 0.0)
+        v = h @ w[p + "v.weight"].T + w.get(p + "v.bias", 0.0)
+        heads = []
+        for head in range(s.num_attention_heads):
+            group = head // (s.num_attention_heads // s.num_query_groups)
+            qh = rope(q[:, head * hd:(head + 1) * hd])
+            kh = rope(k[:, group * hd:(group + 1) * hd])
+            scores = (qh @ kh.T / math.sqrt(hd)).masked_fill(future, -math.inf)
+            heads.append(scores.softmax(-1) @ v[:, group * hd:(group + 1) * hd])
+        x = x + torch.cat(heads, dim=-1) @ w[p + "o.weight"].T
+        h = rms(x, w[p + "mlp_norm.weight"])
+        x = x + (F.silu(h @ w[p + "gate.weight"].T) * (h @ w[p + "up.weight"].T)) @ w[p + "down.weight"].T
+    return rms(x, w["final_norm.weight"]) @ w["lm_head.weight"].T
+
+
+def reference_logprobs(w, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each response token, from the reference forward."""
+    seq = prompt + response
+    logits = reference_logits(w, seq)[len(prompt) - 1: len(seq) - 1]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return make_weights()
+
+
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_score_matches_reference_forward(qkv_bias):
+    weights = make_weights(qkv_bias=qkv_bias)
+    eng = engine(weights)
+    ps = prompts(6)
+    responses = prompts(6, seed=2, max_len=5)  # ragged: left padding of prompt+response is exercised
+    scored = eng.score(ps, responses, temperature=0.7)
+    for p, r, got in zip(ps, responses, scored):
+        assert got.dtype == torch.float32 and got.shape == (len(r),)
+        torch.testing.assert_close(got.double(), reference_logprobs(weights, p, r, 0.7), rtol=0, atol=2e-5)
+
+
+def test_kv_cache_generation_matches_recompute(weights):
+    eng = engine(weights)
+    ps = prompts(8)
+    out = eng.generate(ps, max_new_tokens=9, temperature=0.8, generator=torch.Generator().manual_seed(3))
+    assert isinstance(out, RolloutBatch) and out.prompt_ids == ps
+    assert all(len(r) == 9 and reason == "length" for r, reason in zip(out.response_ids, out.finish_reasons))
+    rescored = eng.score(ps, out.response_ids, temperature=0.8)
+    for p, r, lp, again in zip(ps, out.response_ids, out.logprobs, rescored):
+        # the reported log-probs are log_softmax(logits / T) of the sampled ids, T applied, top-p not
+        torch.testing.assert_close(lp.double(), reference_logprobs(weights, p, r, 0.8), rtol=0, atol=2e-5)
+        torch.testing.assert_close(lp, again, rtol=0, atol=2e-5)
+
+
+def test_greedy_is_deterministic_and_follows_argmax(weights):
+    eng = engine(weights)
+    ps = prompts(5)
+    greedy = eng.generate(ps, max_new_tokens=6, temperature=0.0, generator=torch.Generator().manual_seed(0))
+    again = eng.generate(ps, max_new_tokens=6, temperature=0.0, generator=torch.Generator().manual_seed(99))
+    tiny_nucleus = eng.generate(ps, max_new_tokens=6, temperature=1.0, top_p=1e-6,
+                                generator=torch.Generator().manual_seed(5))
+    assert greedy.response_ids == again.response_ids == tiny_nucleus.response_ids
+    for p, r, lp in zip(ps, greedy.response_ids, greedy.logprobs):
+        logits = reference_logits(weights, p + r)[len(p) - 1: -1]
+        assert logits.argmax(-1).tolist() == r
+        torch.testing.assert_close(lp.double(), torch.log_softmax(logits, -1).max(-1).values, rtol=0, atol=2e-5)
+
+
+def test_sampling_is_reproducible_from_the_generator(weights):
+    eng = engine(weights)
+    ps = prompts(16)
+    run = lambda seed: eng.generate(ps, max_new_tokens=8, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    a, b, c = run(7), run(7), run(8)
+    assert a.response_ids == b.response_ids
+    assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    assert a.response_ids != c.response_ids
+
+
+def test_top_p_samples_only_from_the_nucleus(weights):
+    peaked = {k: (v * 2.0 if k == "lm_head.weight" else v) for k, v in weights.items()}
+    top_p, temperature = 0.6, 0.9
+    ps = prompts(24, seed=4)
+    out = engine(peaked).generate(ps, max_new_tokens=6, temperature=temperature, top_p=top_p,
+                                  generator=torch.Generator().manual_seed(11))
+    processed = engine(peaked, logprobs="processed").generate(ps, max_new_tokens=6, temperature=temperature,
+                                                              top_p=top_p, generator=torch.Generator().manual_seed(11))
+    assert processed.response_ids == out.response_ids  # the log-prob convention does not change sampling
+    outside_tempered_mass = []
+    for p, r, lp, lp_proc in zip(ps, out.response_ids, out.logprobs, processed.logprobs):
+        probs = torch.softmax(reference_logits(peaked, p + r)[len(p) - 1: -1] / temperature, -1)
+        for t, token in enumerate(r):
+            # token j is in the nucleus iff the tokens strictly more likely than j hold < top_p of the mass
+            mass_above = (probs[t][None, :] * (probs[t][None, :] > probs[t][:, None])).sum(-1)
+            nucleus = mass_above < top_p
+            assert nucleus[token]
+            assert abs(lp[t].item() - probs[t, token].log().item()) < 2e-5
+            assert abs(lp_proc[t].item() - (probs[t, token] / probs[t][nucleus].sum()).log().item()) < 2e-5
+            outside_tempered_mass.append(1 - probs[t][nucleus].sum().item())
+    assert max(outside_tempered_mass) > 0.05  # the truncation did remove real mass in this test
+
+
+def test_eos_stops_each_sequence_and_padding_does_not_leak(weights):
+    ps = prompts(10, seed=5)
+    free = engine(weights).generate(ps, max_new_tokens=8, temperature=0.0)
+    eos = free.response_ids[0][2]  # a token that sample 0 emits at step 3
+    out = engine(weights, eos=eos).generate(ps, max_new_tokens=8, temperature=0.0)
+    for full, r, lp, reason in zip(free.response_ids, out.response_ids, out.logprobs, out.finish_reasons):
+        if eos in full:
+            stop = full.index(eos) + 1
+            assert (r, reason) == (full[:stop], "eos")  # the EOS itself is part of the response
+        else:
+            assert (r, reason) == (full, "length")
+        assert lp.shape == (len(r),)
+    assert out.response_ids[0] == free.response_ids[0][:3]
+    # every row of the left-padded batch generates exactly what it generates alone
+    for p, r, lp in zip(ps, out.response_ids, out.logprobs):
+        alone = engine(weights, eos=eos).generate([p], max_new_tokens=8, temperature=0.0)
+        assert alone.response_ids[0] == r
+        torch.testing.assert_close(alone.logprobs[0], lp, rtol=0, atol=2e-5)
+
+
+def test_generation_ends_when_every_sequence_hit_eos(weights):
+    ps = [prompts(1, seed=6)[0]] * 4
+    eos = engine(weights).generate(ps[:1], max_new_tokens=1, temperature=0.0).response_ids[0][0]
+    out = engine(weights, eos=eos).generate(ps, max_new_tokens=8, temperature=0.0)
+    assert out.response_ids == [[eos]] * 4 and out.finish_reasons == ["eos"] * 4
+    assert [lp.shape for lp in out.logprobs] == [(1,)] * 4
+
+
+@pytest.mark.parametrize("precision, low, high", [("bf16", 1e-3, 2e-2), ("fp8", 1e-2, 1e-1)])
+def test_low_precision_differs_from_fp32_by_a_small_amount(precision, low, high):
+    weights = make_weights(seed=3, std=0.15)
+    ps, responses = prompts(16, seed=7), prompts(16, seed=8, min_len=6, max_len=6)
+    exact = torch.cat(engine(weights).score(ps, responses))
+    approx = torch.cat(engine(weights, precision).score(ps, responses))
+    assert approx.dtype == torch.float32 and torch.isfinite(approx).all()
+    mean_abs_diff = (approx - exact).abs().mean().item()
+    assert low < mean_abs_diff < high, mean_abs_diff
+    # the sampled path runs the same numerics: its log-probs differ from fp32 scoring as much
+    out = engine(weights, precision).generate(ps, max_new_tokens=6, generator=torch.Generator().manual_seed(2))
+    fp32_of_samples = torch.cat(engine(weights).score(ps, out.response_ids))
+    assert low < (torch.cat(out.logprobs) - fp32_of_samples).abs().mean().item() < high
+
+
+def test_fp8_mismatch_exceeds_bf16():
+    weights = make_weights(seed=3, std=0.15)
+    ps, responses = prompts(16, seed=7), prompts(16, seed=8, min_len=6, max_len=6)
+    exact = torch.cat(engine(weights).score(ps, responses))
+    diff = {p: (torch.cat(engine(weights, p).score(ps, responses)) - exact).abs().mean() for p in ("bf16", "fp8")}
+    assert diff["fp8"] > 2 * diff["bf16"]
+
+
+def test_e4m3_emulation_matches_torch_float8():
+    special = torch.tensor([0.0, 448.0, -448.0, 500.0, 1e-9, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 2.0**-6,
+                            1.0625, 1.1875, 240.0, 232.0, 17.0, 19.0])  # ties round to even, saturation
+    x = torch.cat([special, -special, torch.randn(4000) * 30, torch.randn(1000) * 0.01])
+    assert torch.equal(round_to_e4m3(x), x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float())
+    assert round_to_e4m3(torch.tensor([1.0625, 1.1875])).tolist() == [1.0, 1.25]
+
+
+def test_fp8_qdq_is_per_tensor_with_amax_scale():
+    w = torch.randn(64, 32) * 0.05
+    q = fp8_e4m3_qdq(w)
+    scale = w.abs().max() / E4M3_MAX
+    assert torch.equal(q, (w / scale).to(torch.float8_e4m3fn).float() * scale)
+    assert q.abs().max() == w.abs().max()  # the largest magnitude maps exactly onto 448
+    normal = (w / scale).abs() >= 2.0**-6
+    rel_err = ((q - w).abs() / w.abs())[normal]
+    assert 0 < rel_err.max() <= 2.0**-4 + 1e-6  # half a unit in the last place of 3 mantissa bits
+    assert torch.equal(fp8_e4m3_qdq(torch.zeros(3, 3)), torch.zeros(3, 3))
+
+
+def test_fp8_leaves_lm_head_embedding_and_norms_in_bf16(weights):
+    eng = engine(weights, "fp8")
+    assert torch.equal(eng.weights.lm_head, weights["lm_head.weight"].bfloat16())
+    assert torch.equal(eng.weights.embed, weights["embed.weight"].bfloat16())
+    assert torch.equal(eng.weights.layers[0].attn_norm, weights["layers.0.attn_norm.weight"].bfloat16())
+    assert torch.equal(eng.weights.layers[0].down, fp8_e4m3_qdq(weights["layers.0.down.weight"]).bfloat16())
+
+
+def test_load_weights_rejects_bad_state_dicts(weights):
+    eng = EmbeddedEngine(SHAPE)
+    with pytest.raises(RuntimeError, match="load_weights"):
+        eng.generate([[1]], max_new_tokens=1)
+    with pytest.raises(ValueError, match="missing.*layers.1.up.weight"):
+        eng.load_weights({k: v for k, v in weights.items() if k != "layers.1.up.weight"})
+    with pytest.raises(ValueError, match="unexpected.*extra"):
+        eng.load_weights({**weights, "extra": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"layers.0.q.weight must be a float tensor of shape \(32, 32\)"):
+        eng.load_weights({**weights, "layers.0.q.weight": torch.zeros(16, 31)})
+    with pytest.raises(ValueError, match="empty"):
+        engine(weights).generate([[1], []], max_new_tokens=1)
+
+
+def test_weight_shapes_neutral_naming():
+    shapes = weight_shapes(SHAPE, qkv_bias=True)
+    assert shapes["layers.1.q.weight"] == (32, 32) and shapes["layers.1.k.weight"] == (16, 32)
+    assert shapes["layers.0.k.bias"] == (16,) and shapes["layers.1.down.weight"] == (32, 48)
+    assert shapes["embed.weight"] == shapes["lm_head.weight"] == (23, 32)
+    assert len(weight_shapes(SHAPE)) == 3 + 9 * SHAPE.num_layers
+
+
+def test_decoder_shape_validation():
+    with pytest.raises(ValueError, match="num_query_groups"):
+        DecoderShape(10, 32, 1, 4, 3, 64)
+    with pytest.raises(ValueError, match="even"):
+        DecoderShape(10, 12, 1, 4, 4, 64)
+    assert DecoderShape(10, 32, 1, 4, 2, 64, kv_channels=16).head_dim == 16
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"engine": "vlm"}, "engine"), ({"precision": "fp16"}, "precision"), ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"n": 0}, "n "), ({"logprobs": "raw"}, "logprobs")])
+def test_rollout_config_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        RolloutConfig(**kwargs)
+
+
+def test_rollout_config_did_you_mean():
+    with pytest.raises(ValueError, match='did you mean "embedded"'):
+        RolloutConfig(engine="embeded")
+
+
+def test_make_engine(weights):
+    eng = make_engine(RolloutConfig(precision="fp8"), SHAPE, eos_token_id=EOS)
+    assert isinstance(eng, EmbeddedEngine) and isinstance(eng, RolloutEngine)
+    assert eng.precision == "fp8" and eng.eos_token_id == EOS
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="vllm.*not installed"):
+            make_engine(RolloutConfig(engine="vllm"), SHAPE, eos_token_id=EOS)
