@@ -90,6 +90,25 @@ class Context:
             return self.seg.row_sum(x_tok & self.mask)
         return self.seg.row_sum(self.where_tokens(x_tok))
 
+    @cached_property
+    def local_n_row(self) -> torch.Tensor:
+        """float64 [rows]: valid tokens of each sequence on this rank (before the CP reduction)."""
+        return self.seg.row_sum(self.mask)
+
+    def row_moments(self, x_tok: torch.Tensor, shift_row: torch.Tensor, *,
+                    second: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float64 [rows] sums of x and x^2 over valid tokens, accumulated in float32 around a
+        per-row shift (a value within the row's range) and shifted back in float64, so that the
+        variance of nearly equal values does not cancel catastrophically."""
+        shift_row = torch.where(torch.isfinite(shift_row), shift_row, 0.0)
+        d_tok = self.where_tokens(x_tok - self.seg.to_tokens(shift_row))
+        d_sum = self.seg.row_sum(d_tok)
+        n, k = self.local_n_row, shift_row.double()
+        x_sum = d_sum + n * k
+        if not second:
+            return x_sum, None
+        return x_sum, self.seg.row_sum(d_tok * d_tok) + k * (2.0 * d_sum + n * k)
+
     def row_sum_zero_masked(self, x_tok: torch.Tensor) -> torch.Tensor:
         """row_sum for a quantity that is 0 at masked positions by construction (a function f of
         the clamped log-ratio with f(0) = 0), saving the masking pass."""
@@ -103,10 +122,17 @@ class Context:
         return torch.where(self.nonempty_row, x_row.to(torch.float64), 0.0).sum()
 
     def max_rows(self, x_row: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.nonempty_row, x_row, float("-inf")).max()
+        return max_all(torch.where(self.nonempty_row, x_row, float("-inf")))
 
     def min_rows(self, x_row: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.nonempty_row, x_row, float("inf")).min()
+        return -max_all(torch.where(self.nonempty_row, -x_row, float("-inf")))
+
+
+def max_all(x: torch.Tensor) -> torch.Tensor:
+    """0-d max that is -inf (not an error) for an empty tensor, e.g. a rank with no sequence."""
+    if x.numel() == 0:  # a shape, not a value: no host sync
+        return x.new_full((), float("-inf"))
+    return x.max()
 
 
 def per_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -127,7 +153,7 @@ class Counts:
     """Valid tokens and non-empty sequences of the whole batch: every family's denominators."""
 
     def rows_phase(self, ctx: Context) -> None:
-        ctx.rows.add_sum("n", ctx.seg.row_sum(ctx.mask))
+        ctx.rows.add_sum("n", ctx.local_n_row)
         ctx.rows.add_sum("log_ratio", ctx.row_sum_zero_masked(ctx.log_ratio))
 
     def batch_phase(self, ctx: Context) -> None:

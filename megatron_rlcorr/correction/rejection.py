@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..config import RejectionRule, RolloutCorrectionConfig
-from .context import Context, finite_or_zero, per_count
+from .context import Context, finite_or_zero, max_all, per_count
 from .ratio_metrics import RatioMetrics
 
 
@@ -150,12 +150,14 @@ class DivergenceMetrics:
             return
         stat, rows, k = divergence_tok(self.d.rule.estimator, ctx.clamped), ctx.rows, self.key
         high, low = self._high_low(stat)
-        rows.add_sum(k + "stat", ctx.row_sum(stat))
-        rows.add_sum(k + "stat2", ctx.row_sum(stat * stat))
+        stat_max = ctx.row_max(stat)
+        stat_sum, stat2_sum = ctx.row_moments(stat, stat_max)
+        rows.add_sum(k + "stat", stat_sum)
+        rows.add_sum(k + "stat2", stat2_sum)
         rows.add_sum(k + "hi", ctx.row_sum(high))
         rows.add_sum(k + "lo", ctx.row_sum(low))
         rows.add_sum(k + "rejected", ctx.row_sum(~self.d.keep_tok))
-        rows.add_max(k + "max", ctx.row_max(stat))
+        rows.add_max(k + "max", stat_max)
         rows.add_min(k + "min", -ctx.row_max(-stat))
 
     def batch_phase(self, ctx: Context) -> None:
@@ -164,8 +166,8 @@ class DivergenceMetrics:
             for name in ("stat", "stat2", "hi", "lo", "rejected"):
                 totals.add_sum(k + name, rows.sum(k + name).sum())
             totals.add_sum(k + "rejected_rows", ctx.sum_rows(rows.sum(k + "rejected") > 0))
-            totals.add_max(k + "max", rows.max(k + "max").max())
-            totals.add_min(k + "min", rows.min(k + "min").min())
+            totals.add_max(k + "max", max_all(rows.max(k + "max")))
+            totals.add_min(k + "min", -max_all(-rows.min(k + "min")))
             return
         stat = self.d.statistic_row(ctx)
         stat64 = torch.where(ctx.nonempty_row, stat.double(), 0.0)

@@ -51,14 +51,14 @@ class Segments:
     def row_max(self, x_tok: torch.Tensor) -> torch.Tensor:
         """[rows] maxima of a per-token tensor that is already -inf at masked positions."""
         if not self.is_packed:
-            return x_tok.amax(dim=-1)
+            return x_tok.amax(dim=-1) if x_tok.shape[-1] else x_tok.new_full(x_tok.shape[:-1], float("-inf"))
         out = torch.full((self.num_rows + 1,), float("-inf"), dtype=x_tok.dtype, device=x_tok.device)
         return out.scatter_reduce_(0, self.row_of_token, x_tok, reduce="amax")[: self.num_rows]
 
     def row_min(self, x_tok: torch.Tensor) -> torch.Tensor:
         """[rows] minima of a per-token tensor that is already +inf at masked positions."""
         if not self.is_packed:
-            return x_tok.amin(dim=-1)
+            return x_tok.amin(dim=-1) if x_tok.shape[-1] else x_tok.new_full(x_tok.shape[:-1], float("inf"))
         out = torch.full((self.num_rows + 1,), float("inf"), dtype=x_tok.dtype, device=x_tok.device)
         return out.scatter_reduce_(0, self.row_of_token, x_tok, reduce="amin")[: self.num_rows]
 
