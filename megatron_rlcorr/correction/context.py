@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
 
 import torch
 
@@ -22,10 +23,23 @@ from .segments import Segments
 LOG_RATIO_BOUND = 20.0  # clamp20 of SPEC section 4: exp stays finite in float32
 
 
+# Adding -MASK_OFFSET at masked positions pushes them out of any row maximum of a finite
+# per-token quantity (all of ours are bounded functions of the clamped log-ratio).
+MASK_OFFSET = 1e30
+INF_STANDIN = 1e30
+Compare = Callable[..., torch.Tensor]  # torch.gt / ge / lt / le
+
+
 @dataclass
 class Context:
+    """Token tensors are float32 and exactly 0 at masked positions; masks are float 0/1.
+
+    Float masks rather than bool ones: on CPUs `torch.where` and bool-producing ops are 5-10x
+    slower than a multiply, and every op here is one pass over the tokens.
+    """
+
     seg: Segments
-    mask: torch.Tensor          # bool, token layout
+    mask: torch.Tensor          # float32 0/1, token layout
     log_ratio: torch.Tensor     # float32 old - rollout, exactly 0 at masked positions
     clamped: torch.Tensor       # clamp20(log_ratio)
     rows: Partials = field(default_factory=Partials)
@@ -33,15 +47,14 @@ class Context:
 
     @cached_property
     def ratio_tok(self) -> torch.Tensor:
-        """rho_t = exp(clamp20(log_ratio)): the token IS weight before truncation and the token RS ratio."""
+        """rho_t = exp(clamp20(log_ratio)): the token IS weight before truncation and the token RS
+        ratio. 1 at masked positions."""
         return self.clamped.exp()
 
     @cached_property
     def ratio_minus_one_tok(self) -> torch.Tensor:
-        """rho_t - 1 (0 at masked positions). Spreads are summed from it rather than from rho_t,
-        so E[x^2] - E[x]^2 does not cancel catastrophically for ratios near 1. (exp - 1 rather
-        than expm1: its absolute error, ~eps32, is far below what the spreads need, and expm1 is
-        ~10x slower on CPUs.)"""
+        """rho_t - 1 (0 at masked positions). (exp - 1 rather than expm1: its absolute error,
+        ~eps32, is far below what the metrics built on it need, and expm1 is ~5x slower on CPUs.)"""
         return self.ratio_tok - 1.0
 
     @cached_property
@@ -51,7 +64,53 @@ class Context:
 
     @cached_property
     def clamped_row_min(self) -> torch.Tensor:
-        return self.seg.row_min(self.where_tokens(self.clamped, float("inf")))
+        return self.row_min(self.clamped)
+
+    @cached_property
+    def _mask_offset(self) -> torch.Tensor:
+        return (1.0 - self.mask) * MASK_OFFSET
+
+    @cached_property
+    def local_n_row(self) -> torch.Tensor:
+        """float64 [rows]: valid tokens of each sequence on this rank (before the CP reduction)."""
+        return self.seg.row_sum(self.mask)
+
+    def indicator(self, compare: Compare, x_tok: torch.Tensor, threshold: float, *,
+                  zero_masked: bool = False) -> torch.Tensor:
+        """float32 [x compare threshold] over valid tokens, 0 at masked positions.
+        `zero_masked`: the comparison is already false where x_tok holds its masked value."""
+        out = compare(x_tok, threshold, out=torch.empty_like(x_tok, dtype=torch.float32))
+        return out if zero_masked else out.mul_(self.mask)
+
+    def row_sum(self, x_tok: torch.Tensor) -> torch.Tensor:
+        """float64 [rows] sum over valid tokens of a tensor that is finite everywhere."""
+        return self.seg.row_sum(x_tok * self.mask)
+
+    def row_sum_zero_masked(self, x_tok: torch.Tensor) -> torch.Tensor:
+        """row_sum for a quantity that is 0 at masked positions by construction (a function f of
+        the clamped log-ratio with f(0) = 0, or an indicator), saving the masking pass."""
+        return self.seg.row_sum(x_tok)
+
+    def row_moments(self, x_tok: torch.Tensor, shift_row: torch.Tensor, *,
+                    second: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float64 [rows] sums of x and x^2 over valid tokens, accumulated in float32 around a
+        per-row shift (a value within the row's range) and shifted back in float64, so that the
+        variance of nearly equal values does not cancel catastrophically."""
+        shift_row = torch.where(torch.isfinite(shift_row), shift_row, 0.0)
+        d_tok = (x_tok - self.seg.to_tokens(shift_row)).mul_(self.mask)
+        d_sum = self.seg.row_sum(d_tok)
+        n, k = self.local_n_row, shift_row.double()
+        x_sum = d_sum + n * k
+        if not second:
+            return x_sum, None
+        return x_sum, self.seg.row_sum(d_tok.mul_(d_tok)) + k * (2.0 * d_sum + n * k)
+
+    def row_max(self, x_tok: torch.Tensor) -> torch.Tensor:
+        """[rows] max over valid tokens of a finite per-token tensor; -inf for a row with none."""
+        return torch.where(self.local_n_row > 0, self.seg.row_max(x_tok - self._mask_offset), float("-inf"))
+
+    def row_min(self, x_tok: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.local_n_row > 0, self.seg.row_min(x_tok + self._mask_offset), float("inf"))
 
     # ---- phase 2 views (valid after rows are reduced over CP) ----
     @property
@@ -81,42 +140,6 @@ class Context:
     def num_rows(self) -> torch.Tensor:
         return self.totals.sum("rows")
 
-    def where_tokens(self, x_tok: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        return torch.where(self.mask, x_tok, fill)
-
-    def row_sum(self, x_tok: torch.Tensor) -> torch.Tensor:
-        """float64 [rows] sum over valid tokens (masked positions never read)."""
-        if x_tok.dtype == torch.bool:
-            return self.seg.row_sum(x_tok & self.mask)
-        return self.seg.row_sum(self.where_tokens(x_tok))
-
-    @cached_property
-    def local_n_row(self) -> torch.Tensor:
-        """float64 [rows]: valid tokens of each sequence on this rank (before the CP reduction)."""
-        return self.seg.row_sum(self.mask)
-
-    def row_moments(self, x_tok: torch.Tensor, shift_row: torch.Tensor, *,
-                    second: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """float64 [rows] sums of x and x^2 over valid tokens, accumulated in float32 around a
-        per-row shift (a value within the row's range) and shifted back in float64, so that the
-        variance of nearly equal values does not cancel catastrophically."""
-        shift_row = torch.where(torch.isfinite(shift_row), shift_row, 0.0)
-        d_tok = self.where_tokens(x_tok - self.seg.to_tokens(shift_row))
-        d_sum = self.seg.row_sum(d_tok)
-        n, k = self.local_n_row, shift_row.double()
-        x_sum = d_sum + n * k
-        if not second:
-            return x_sum, None
-        return x_sum, self.seg.row_sum(d_tok * d_tok) + k * (2.0 * d_sum + n * k)
-
-    def row_sum_zero_masked(self, x_tok: torch.Tensor) -> torch.Tensor:
-        """row_sum for a quantity that is 0 at masked positions by construction (a function f of
-        the clamped log-ratio with f(0) = 0), saving the masking pass."""
-        return self.seg.row_sum(x_tok)
-
-    def row_max(self, x_tok: torch.Tensor) -> torch.Tensor:
-        return self.seg.row_max(self.where_tokens(x_tok, float("-inf")))
-
     def sum_rows(self, x_row: torch.Tensor) -> torch.Tensor:
         """0-d float64 sum over this rank's non-empty sequences."""
         return torch.where(self.nonempty_row, x_row.to(torch.float64), 0.0).sum()
@@ -133,6 +156,12 @@ def max_all(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:  # a shape, not a value: no host sync
         return x.new_full((), float("-inf"))
     return x.max()
+
+
+def finite(x: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+    """NaN -> 0 and +-inf -> +-1e30, so that a multiply by the 0/1 mask clears masked garbage
+    (inf * 0 would be NaN). Valid positions are finite whenever the inputs pass validation."""
+    return torch.nan_to_num(x, nan=0.0, posinf=INF_STANDIN, neginf=-INF_STANDIN, out=x if inplace else None)
 
 
 def per_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

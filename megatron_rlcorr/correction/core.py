@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RolloutCorrectionConfig
-from .context import LOG_RATIO_BOUND, Context, Counts
+from .context import LOG_RATIO_BOUND, Context, Counts, finite
 from .offpolicy import OffPolicyMetrics
 from .rejection import Rejection, Veto
 from .segments import Segments
@@ -52,7 +52,7 @@ def compute_rollout_correction(
     weights = ImportanceWeights(config) if config.rollout_is is not None else None
     rejection = Rejection(config) if config.rejection_rules else None
     veto = Veto(config.rollout_token_veto_threshold)
-    families = [Counts(), OffPolicyMetrics(rollout_log_prob), veto]
+    families = [Counts(), OffPolicyMetrics(rollout_log_prob.detach()), veto]
     families += [f for f in (weights, rejection) if f is not None]
 
     for family in families:
@@ -65,26 +65,25 @@ def compute_rollout_correction(
     for family in families[1:]:
         metrics.update(family.metrics(ctx))
 
-    keep = ctx.mask
-    if rejection is not None:
-        keep = keep & rejection.keep(ctx)
+    keep = rejection.keep(ctx) if rejection is not None else ctx.mask
     if veto.log_threshold is not None:
-        keep = keep & ctx.seg.to_tokens(veto.keep_row)
+        keep = keep * ctx.seg.to_tokens(veto.keep_row.float())
     return CorrectionResult(
         is_weights=weights.weights(ctx) if weights is not None else None,
-        response_mask=keep.to(response_mask.dtype),
+        response_mask=keep != 0 if response_mask.dtype == torch.bool else keep.to(response_mask.dtype),
         metrics={METRIC_PREFIX + name: value.float() for name, value in metrics.items()},
     )
 
 
 def _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens) -> Context:
-    mask = response_mask != 0
+    mask = torch.ne(response_mask, 0, out=torch.empty_like(response_mask, dtype=torch.float32))
     if cu_seqlens is None:
         seg = Segments.padded(mask.shape[0])
     else:
         seg = Segments.packed(cu_seqlens, mask.numel(), mask.device)
         # Tokens after cu_seqlens[-1] belong to no sequence: they never count.
-        mask = mask & (seg.row_of_token < seg.num_rows)
-    log_ratio = torch.where(mask, old_log_prob.float() - rollout_log_prob.float(), 0.0)
+        mask = mask.mul_(seg.row_of_token < seg.num_rows)
+    log_ratio = finite(old_log_prob.detach().float() - rollout_log_prob.detach().float(), inplace=True).mul_(mask)
     return Context(seg=seg, mask=mask, log_ratio=log_ratio,
                    clamped=log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .context import LOG_RATIO_BOUND, Context, finite_or_zero, per_count
+from .context import LOG_RATIO_BOUND, Context, finite, finite_or_zero, per_count
 
 
 class OffPolicyMetrics:
@@ -17,7 +17,7 @@ class OffPolicyMetrics:
     def rows_phase(self, ctx: Context) -> None:
         c = ctx.clamped
         # The old log-prob sum is the rollout sum plus the log-ratio sum: one masked pass saved.
-        ctx.rows.add_sum("offpolicy/rollout", ctx.row_sum(self.rollout_log_prob.float()))
+        ctx.rows.add_sum("offpolicy/rollout", ctx.row_sum(finite(self.rollout_log_prob.float())))
         # expm1 keeps k3 = rho - 1 - c accurate where it is tiny (c ~ 1e-3 gives k3 ~ 5e-7).
         ctx.rows.add_sum("offpolicy/k3", ctx.row_sum_zero_masked(torch.expm1(c) - c))
         # rho^2 - 1 = (rho - 1)(rho + 1), zero at masked positions.

@@ -32,18 +32,18 @@ class RuleDecision:
         self.log_upper = math.log(rule.upper)
         self.log_lower = math.log(rule.lower) if rule.lower is not None else None
 
+    def keep_tokens(self, ctx: Context) -> torch.Tensor:
+        """float32 1 = kept by this rule (values at masked positions are irrelevant)."""
+        rule = self.rule
+        if rule.estimator == "ratio":  # compare the ratio itself, as the seed does
+            return _within(ctx, ctx.ratio_tok, rule.lower, rule.upper)
+        if rule.estimator == "k1":  # log rho within the log bounds
+            return _within(ctx, ctx.clamped, self.log_lower, self.log_upper)
+        return ctx.indicator(torch.le, divergence_tok(rule.estimator, ctx.clamped), rule.upper, zero_masked=True)
+
     # A statistic in "log rho" space (ratio and k1 rules) is kept iff log lower <= s <= log upper.
     def _keep_log_rho(self, log_rho: torch.Tensor) -> torch.Tensor:
         return (log_rho >= self.log_lower) & (log_rho <= self.log_upper)
-
-    def keep_tokens(self, ctx: Context) -> torch.Tensor:
-        rule = self.rule
-        if rule.estimator == "ratio":
-            rho = ctx.ratio_tok  # compare the ratio itself, as the seed does
-            return (rho >= rule.lower) & (rho <= rule.upper)
-        if rule.estimator == "k1":
-            return self._keep_log_rho(ctx.clamped)
-        return divergence_tok(rule.estimator, ctx.clamped) <= rule.upper
 
     def statistic_row(self, ctx: Context) -> torch.Tensor:
         """Sequence statistic (float32 [rows]) of a sequence-level divergence rule."""
@@ -67,6 +67,11 @@ class RuleDecision:
         return stat <= rule.upper
 
 
+def _within(ctx: Context, x_tok: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+    return ctx.indicator(torch.ge, x_tok, lower, zero_masked=True).mul_(
+        ctx.indicator(torch.le, x_tok, upper, zero_masked=True))
+
+
 class Rejection:
     def __init__(self, cfg: RolloutCorrectionConfig) -> None:
         self.decisions = [RuleDecision(rule) for rule in cfg.rejection_rules]
@@ -81,9 +86,9 @@ class Rejection:
         keep_tok = ctx.mask
         for decision in self.token_rules:
             decision.keep_tok = decision.keep_tokens(ctx)
-            keep_tok = keep_tok & decision.keep_tok
-        self.keep_tok = keep_tok
-        ctx.rows.add_sum("rs/kept", ctx.seg.row_sum(keep_tok))
+            keep_tok = keep_tok * decision.keep_tok
+        self.keep_tok = keep_tok  # float32, 0 at masked positions
+        ctx.rows.add_sum("rs/kept", ctx.row_sum_zero_masked(keep_tok))
         for decision in self.row_rules:
             if decision.rule.estimator != "ratio":
                 stat = divergence_tok(decision.rule.estimator, ctx.clamped)
@@ -122,8 +127,8 @@ class Rejection:
         return out
 
     def keep(self, ctx: Context) -> torch.Tensor:
-        """bool token layout: kept by every rule (masked positions False)."""
-        return self.keep_tok & ctx.seg.to_tokens(self.keep_row)
+        """float32 token layout: 1 = kept by every rule (0 at masked positions)."""
+        return self.keep_tok * ctx.seg.to_tokens(self.keep_row.float())
 
 
 class DivergenceMetrics:
@@ -140,25 +145,34 @@ class DivergenceMetrics:
         self.key = f"rsdiv/{decision.rule.option}/"
 
     def _high_low(self, stat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """bool [rows] statistic above the upper / below the lower bound."""
         rule = self.d.rule
         if rule.estimator == "k1":  # bounds apply to rho = exp(-stat)
             return -stat > self.d.log_upper, -stat < self.d.log_lower
         return stat > rule.upper, torch.zeros_like(stat, dtype=torch.bool)
 
+    def _high_low_tokens(self, ctx: Context, stat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 token indicators of `_high_low`, 0 at masked positions."""
+        rule = self.d.rule
+        if rule.estimator == "k1":  # -stat is the clamped log-ratio
+            return (ctx.indicator(torch.gt, ctx.clamped, self.d.log_upper),
+                    ctx.indicator(torch.lt, ctx.clamped, self.d.log_lower))
+        return ctx.indicator(torch.gt, stat, rule.upper), torch.zeros_like(stat)
+
     def rows_phase(self, ctx: Context) -> None:
         if self.d.rule.is_sequence_level:
             return
         stat, rows, k = divergence_tok(self.d.rule.estimator, ctx.clamped), ctx.rows, self.key
-        high, low = self._high_low(stat)
+        high, low = self._high_low_tokens(ctx, stat)
         stat_max = ctx.row_max(stat)
         stat_sum, stat2_sum = ctx.row_moments(stat, stat_max)
         rows.add_sum(k + "stat", stat_sum)
         rows.add_sum(k + "stat2", stat2_sum)
-        rows.add_sum(k + "hi", ctx.row_sum(high))
-        rows.add_sum(k + "lo", ctx.row_sum(low))
-        rows.add_sum(k + "rejected", ctx.row_sum(~self.d.keep_tok))
+        rows.add_sum(k + "hi", ctx.row_sum_zero_masked(high))
+        rows.add_sum(k + "lo", ctx.row_sum_zero_masked(low))
+        rows.add_sum(k + "rejected", ctx.row_sum(1.0 - self.d.keep_tok))
         rows.add_max(k + "max", stat_max)
-        rows.add_min(k + "min", -ctx.row_max(-stat))
+        rows.add_min(k + "min", ctx.row_min(stat))
 
     def batch_phase(self, ctx: Context) -> None:
         rows, totals, k, n = ctx.rows, ctx.totals, self.key, ctx.n_row
@@ -224,7 +238,9 @@ class Veto:
 
     def rows_phase(self, ctx: Context) -> None:
         if self.log_threshold is not None:
-            ctx.rows.add_sum("veto/tokens", ctx.row_sum(ctx.log_ratio < self.log_threshold))
+            # The masked log-ratio is 0: only a threshold above 1 needs the mask.
+            vetoed = ctx.indicator(torch.lt, ctx.log_ratio, self.log_threshold, zero_masked=self.log_threshold <= 0)
+            ctx.rows.add_sum("veto/tokens", ctx.row_sum_zero_masked(vetoed))
 
     def batch_phase(self, ctx: Context) -> None:
         if self.log_threshold is None:

@@ -54,7 +54,7 @@ class ImportanceWeights:
             w = self._truncate(ctx.ratio_tok)
         else:
             w = ctx.seg.to_tokens(self.weight_row)
-        w = torch.where(ctx.mask, w, 0.0)
+        w = w * ctx.mask
         if self.norm_factor is not None:
             w = w / self.norm_factor.float()
         return w.detach()
