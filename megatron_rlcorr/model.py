@@ -296,6 +296,7 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
         vp_stage=vp_stage,
     )
     model.unpadded_vocab_size = cfg.vocab_size  # export_full_weights strips the padding rows
+    _mark_tensor_parallel_params(model, cfg.tie_embeddings)
     # The local spec's torch norms ignore params_dtype (Megatron's Float16Module would cast them).
     for param in model.parameters():
         if param.dtype != cfg.torch_params_dtype:
@@ -309,6 +310,20 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
     if init_weights:
         load_full_weights([model], _SeededWeights(cfg, seed), groups)
     return model
+
+
+def _mark_tensor_parallel_params(model, tied: bool) -> None:
+    """Set Megatron's `tensor_model_parallel` / `partition_dim` on TP-split parameters.
+
+    With use_cpu_initialization=True and perform_initialization=False Megatron-Core's parallel
+    linear layers skip the call that sets them; the optimizer's grad norm (and clipping) then
+    counts only TP rank 0's shard of every split weight.
+    """
+    for slot in _slots(model, tied):
+        if slot.layout != "replicated" and not getattr(slot.param, "tensor_model_parallel", False):
+            slot.param.tensor_model_parallel = True
+            slot.param.partition_dim = _SPLIT_DIM[slot.layout]
+            slot.param.partition_stride = 1
 
 
 def _padded_vocab_mask_hook(vocab_size: int, padded_vocab: int, tp_rank: int) -> Callable:

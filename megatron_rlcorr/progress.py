@@ -14,7 +14,8 @@ import torch
 
 CONSOLE_KEYS = (
     ("reward", "reward_mean"), ("len", "response_length_mean"), ("loss", "loss"),
-    ("k3", "rollout_corr/k3_kl"), ("ppl_ratio", "rollout_corr/ppl_ratio"),
+    ("gnorm", "grad_norm"), ("k3", "rollout_corr/k3_kl"), ("lppl_diff", "rollout_corr/log_ppl_abs_diff"),
+    ("ppl_ratio", "rollout_corr/ppl_ratio"),
     ("is_mean", "rollout_corr/rollout_is_mean"), ("rs_masked", "rollout_corr/rollout_rs_masked_fraction"),
     ("veto", "rollout_corr/rollout_is_veto_fraction"), ("tok/s", "throughput/tokens_per_s"),
 )

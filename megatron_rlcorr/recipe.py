@@ -1,7 +1,8 @@
 """The recipe: one YAML file that describes a whole RL run, validated before any process group exists.
 
 Sections: model, parallel, rollout, data, algorithm (advantages, loss, rollout_correction), optim,
-trainer. `load_recipe(path, overrides)` applies dotted `key=value` overrides, rejects unknown keys
+trainer. A recipe may start from another (`base: tiny_cpu.yaml`) and change some keys.
+`load_recipe(path, overrides)` applies dotted `key=value` overrides, rejects unknown keys
 with a "did you mean", checks types and value ranges, and `check_layout(world_size)` rejects a
 parallel layout that does not fit the launch.
 """
@@ -113,13 +114,15 @@ class TrainerSettings:
     resume: bool = True            # continue from the latest checkpoint in runs/<name> if there is one
     log_every: int = 1
     tensorboard: bool = True       # when tensorboard is installed
+    exit_interval: int = 0         # Megatron's --exit-interval: save and stop after steps divisible by it; 0 = off
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "ppo_epochs", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.mini_batch_size < 0 or self.save_every < 0:
-            raise ValueError("mini_batch_size and save_every must be >= 0")
+        for name in ("mini_batch_size", "save_every", "exit_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class Recipe:
     def check_layout(self, world_size: int) -> int:
         """Validate the layout against the launch; returns the data-parallel size."""
         dp = self.parallel.data_parallel_size(world_size)
+        self._check_task()
         prompts = self.data.prompts_per_step
         if prompts % dp:
             raise ValueError(f"data.prompts_per_step={prompts} must be divisible by the data-parallel size {dp} "
@@ -170,6 +174,21 @@ class Recipe:
         if self.model.num_layers % (self.parallel.pp * (self.parallel.vpp or 1)):
             raise ValueError(f"model.num_layers={self.model.num_layers} must be divisible by parallel.pp*vpp")
         return dp
+
+    def _check_task(self) -> None:
+        from .data import get_task
+
+        if self.rollout.n < 2:
+            raise ValueError(f"rollout.n={self.rollout.n}: group advantages ({self.algorithm.advantage_estimator}) "
+                             "need at least 2 samples per prompt; set rollout.n >= 2")
+        try:
+            task = get_task(self.data.task, **self.data.task_args)
+        except ValueError as err:
+            raise ValueError(f"data: {err}") from None
+        if self.model.vocab_size < task.tokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} is smaller than the vocabulary of task "
+                             f"{self.data.task!r} ({task.tokenizer.vocab_size} tokens); set model.vocab_size >= "
+                             f"{task.tokenizer.vocab_size}")
 
 
 def parse_recipe(tree: Mapping[str, Any]) -> Recipe:
@@ -214,9 +233,40 @@ def _section(cls, mapping, name):
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"recipe {path} not found")
-    tree = yaml.safe_load(path.read_text()) or {}
+    """The recipe at `path` (after its `base:` chain) with dotted `key=value` overrides applied."""
+    tree = _read_tree(Path(path), ())
     apply_overrides(tree, overrides)
     return parse_recipe(tree)
+
+
+def _read_tree(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """The YAML tree of `path`; a top-level `base: other.yaml` (relative to this file) is loaded
+    first and this file's settings are merged over it (_merge_sections)."""
+    if not path.is_file():
+        raise ValueError(f"recipe {path} not found" + (f" (the base of {chain[-1]})" if chain else ""))
+    if path.resolve() in chain:
+        raise ValueError(f"recipe {path}: circular base chain {' -> '.join(map(str, chain))}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ValueError(f"recipe {path} must be a YAML mapping, got {type(tree).__name__}")
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    if not isinstance(base, str):
+        raise ValueError(f"recipe {path}: base must be a path to another recipe, got {base!r}")
+    return _merge_sections(_read_tree(path.parent / base, (*chain, path.resolve())), tree)
+
+
+def _merge_sections(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """Sections merge key by key; a key's value replaces the base's whole (an
+    algorithm.rollout_correction block is never half inherited)."""
+    merged = dict(base)
+    for section, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(section), Mapping):
+            merged[section] = {**merged[section], **value}
+        else:
+            merged[section] = value
+    return merged

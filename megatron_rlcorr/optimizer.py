@@ -1,0 +1,179 @@
+"""The trainable model: Megatron-Core DDP chunks, Megatron's Adam and its learning-rate schedule.
+
+`build_model_and_optimizer` returns what a training step needs:
+
+- model chunks (one per virtual pipeline stage) wrapped in Megatron-Core's
+  `DistributedDataParallel`: gradients accumulate in float32 buffers (`param.main_grad`) and are
+  all-reduced over the data x context parallel group once per mini-batch, in
+  `finalize_model_grads`, which also sums the tied embedding's gradient between the first and
+  the last pipeline stage;
+- Megatron-Core's optimizer (`get_megatron_optimizer`): Adam with gradient clipping over the
+  model-parallel group, float32 master weights for a bf16 model;
+- `OptimizerParamScheduler`: linear warm-up from 0, then constant / linear / cosine decay to
+  min_lr at `total_steps` (Megatron's convention: update k, counted from 0, uses the lr of step k,
+  so with warm-up the first update has lr 0).
+
+The pipeline schedule (`get_forward_backward_func`) reads its hooks from the model config:
+`finalize_model_grads_func`, `grad_scale_func` (the optimizer's loss scale) and `no_sync_func`
+(no gradient all-reduce until the last micro-batch). `install_schedule_hooks` sets them.
+
+Gradient scale: the schedule divides every micro-batch loss by the number of micro-batches
+(and multiplies it by the CP size), DDP averages over DP x CP. Our losses are already global
+sums (losses.global_loss_normalizers), so step.py multiplies each micro-batch loss by
+`loss_scale_for_schedule(...)` to undo both.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .model import ModelConfig, build_gpt_model
+from .parallel.cpu import enable_cpu_megatron
+from .recipe import OptimSettings
+
+if TYPE_CHECKING:
+    from .parallel.groups import ParallelGroups
+
+
+def build_model_and_optimizer(model_cfg: ModelConfig, optim: OptimSettings, groups: ParallelGroups, *,
+                              seed: int, total_steps: int) -> tuple[list[Any], Any, Any]:
+    """(model_chunks, optimizer, scheduler) for this rank.
+
+    model_chunks: list of DDP-wrapped GPTModel chunks (one, or vpp with virtual pipelining),
+    initialised from `init_full_weights(model_cfg, seed)` (identical under any layout).
+    total_steps: the number of optimizer steps of the run (the end of lr decay).
+    """
+    _check_schedule(optim, total_steps)
+    enable_cpu_megatron()
+    chunks = [_wrap_ddp(build_gpt_model(model_cfg, groups, vp_stage=vp, seed=seed), groups, first=(i == 0))
+              for i, vp in enumerate(_vp_stages(groups))]
+    optimizer = build_optimizer(chunks, model_cfg, optim, groups)
+    scheduler = build_scheduler(optimizer, optim, total_steps)
+    install_schedule_hooks(chunks, optimizer, groups)
+    return chunks, optimizer, scheduler
+
+
+def _vp_stages(groups: ParallelGroups) -> list[int | None]:
+    return list(range(groups.vpp_size)) if groups.vpp_size else [None]
+
+
+def _check_schedule(optim: OptimSettings, total_steps: int) -> None:
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1 (the number of optimizer steps), got {total_steps}")
+    if optim.decay_style != "constant" and total_steps <= optim.warmup_steps:
+        raise ValueError(f"optim.decay_style={optim.decay_style!r} decays the lr after optim.warmup_steps="
+                         f"{optim.warmup_steps}, but the run has only {total_steps} steps: lower warmup_steps "
+                         "or use decay_style: constant")
+
+
+def _wrap_ddp(chunk, groups: ParallelGroups, *, first: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+        check_for_nan_in_grad=False,
+    )
+    # Megatron's own get_model: only the first chunk uses buckets (no overlap here anyway).
+    return DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                   disable_bucketing=not first, pg_collection=groups.pg_collection)
+
+
+def optimizer_config(model_cfg: ModelConfig, optim: OptimSettings):
+    """Megatron-Core OptimizerConfig: Adam (decoupled weight decay), clipping, precision."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=model_cfg.bf16,
+        params_dtype=model_cfg.torch_params_dtype,
+        use_distributed_optimizer=False,
+    )
+
+
+def build_optimizer(model_chunks: list[Any], model_cfg: ModelConfig, optim: OptimSettings, groups: ParallelGroups):
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    return get_megatron_optimizer(optimizer_config(model_cfg, optim), model_chunks,
+                                  use_gloo_process_groups=False, pg_collection=groups.pg_collection)
+
+
+def build_scheduler(optimizer, optim: OptimSettings, total_steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=total_steps,
+        lr_decay_style=optim.decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=total_steps,
+        wd_incr_style="constant",
+    )
+
+
+def install_schedule_hooks(model_chunks: list[Any], optimizer, groups: ParallelGroups) -> None:
+    """Set the hooks Megatron's pipeline schedules read from every chunk's config."""
+    from megatron.core.distributed import finalize_model_grads
+
+    no_sync = [chunk.no_sync for chunk in model_chunks]
+    # gloo matches batched isend/irecv between the same two ranks by posting order; with two
+    # stages and interleaving, a stage's forward and backward partner is the same rank and the
+    # activations of different micro-batches get swapped. Unbatched p2p keeps them in order.
+    unbatched_p2p = groups.pp_size > 1 and dist.get_backend(groups.pp) == "gloo"
+    for chunk in model_chunks:
+        config = chunk.config
+        if unbatched_p2p:
+            config.batch_p2p_comm = False
+        config.finalize_model_grads_func = partial(_finalize_grads, finalize_model_grads)
+        config.grad_scale_func = optimizer.scale_loss
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+
+def _finalize_grads(finalize, model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    # The schedule passes the pg_collection it was given (ours); keep that explicit.
+    return finalize(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def loss_scale_for_schedule(num_microbatches: int, groups: ParallelGroups) -> float:
+    """Factor on a micro-batch's share of the global loss so that the accumulated, DDP-reduced
+    gradient is the gradient of the global loss: the schedule multiplies by cp / num_microbatches,
+    DDP by 1 / (dp * cp)."""
+    return float(num_microbatches * groups.dp_size)
+
+
+def zero_grads(model_chunks: list[Any], optimizer) -> None:
+    """Clear DDP's gradient buffers and the optimizer's (master) gradients before a mini-batch."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def current_lr(optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def grad_buffers_norm(model_chunks: list[Any]) -> torch.Tensor:
+    """Local L2 norm of the accumulated main_grad buffers (tests; no communication)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is not None:
+                total = total + grad.double().pow(2).sum().cpu()
+    return total.sqrt()

@@ -1,0 +1,353 @@
+"""One optimizer step of RL post-training with rollout correction on Megatron-Core.
+
+Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
+
+1. Pad T to a multiple of 2*cp and cut this CP rank's zigzag shard of every per-token tensor
+   (tokens, targets, masks, rollout / old log-probs, advantages); positions are the shard's global
+   positions. Micro-batches are row slices of the shard.
+2. Last pipeline stage only: the rollout correction runs ONCE on the whole (CP-sharded)
+   mini-batch, reducing per-sequence statistics over the CP group and batch statistics over the
+   DP group; its mask (rejection sampling, veto) becomes the loss mask. Then the loss normalisers
+   of all micro-batches (global over micro-batches, CP and DP ranks).
+   Bypass policy-gradient mode instead corrects inside each micro-batch's loss, from the current
+   policy's (detached) log-probs against the rollout's.
+3. Megatron-Core's pipeline schedule runs forward/backward over the micro-batches (p2p over the
+   PP group); each loss is this micro-batch's share of the global loss, times the factor that
+   undoes the schedule's and DDP's averaging (optimizer.loss_scale_for_schedule), so the gradient
+   equals the single-process full-batch gradient for any layout and micro-batch size.
+4. DDP all-reduces gradients (finalize_model_grads), Megatron's optimizer clips and steps, the
+   scheduler advances. Metrics, kept as (sum, count) tensors, are reduced once over CP x DP and
+   broadcast from the last pipeline stage to the others.
+
+Modes (RolloutCorrectionConfig): decoupled (bypass_mode False): pi_old comes from
+`compute_old_log_probs` before the update, IS/RS from pi_old vs pi_rollout, PPO ratio against
+pi_old. Bypass PPO: pi_old := pi_rollout, the PPO ratio pi_theta / pi_rollout does the
+importance sampling (the correction then only gives metrics, its weights are 1). Bypass policy
+gradient: REINFORCE weighted by IS weights pi_theta / pi_rollout (detached) and masked by RS/veto
+computed in the loss; its loss normalisers count response tokens before rejection (the mask
+depends on pi_theta, known only during the forward pass), and its correction metrics are the
+mean over micro-batches of per-micro-batch (DP-global) values.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .config import RolloutCorrectionConfig
+from .correction import compute_rollout_correction
+from .logprobs import token_logprobs_and_entropy
+from .losses import LossConfig, global_loss_normalizers, policy_loss, reduce_metric_partials
+from .optimizer import current_lr, loss_scale_for_schedule, zero_grads
+from .parallel.context import merge_from_cp, pad_to_multiple, split_for_cp, zigzag_token_positions
+
+if TYPE_CHECKING:
+    from .parallel.groups import ParallelGroups
+
+
+@dataclass
+class StepBatch:
+    """One DP rank's mini-batch: full (un-split) sequences, padded [B, T], identical on every TP/CP/PP rank of that DP rank."""
+    tokens_BT: torch.Tensor            # int64 input tokens (prompt + response, right-padded with pad id 0)
+    targets_BT: torch.Tensor           # int64, tokens_BT shifted left by one (target of position t); pad at the end
+    response_mask_BT: torch.Tensor     # float32 0/1: 1 where targets_BT[:, t] is a response token to train on
+    rollout_log_probs_BT: torch.Tensor # float32 engine log-prob of targets_BT[:, t] (garbage where mask is 0)
+    advantages_BT: torch.Tensor        # float32 per-token advantage
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    loss: LossConfig
+    correction: RolloutCorrectionConfig
+    micro_batch_size: int
+    temperature: float = 1.0      # rollout temperature, applied to logits before log-probs
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def use_policy_gradient(self) -> bool:
+        return self.correction.use_policy_gradient or self.loss.loss_type == "policy_gradient"
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, torch.Tensor]  # 0-d tensors, identical on ALL ranks
+    grad_norm: torch.Tensor
+    update_successful: bool
+
+
+# ---- the CP shard of a mini-batch ----------------------------------------------------------
+
+@dataclass
+class _Shard:
+    """This CP rank's zigzag share of a mini-batch: [B, T_pad / cp] per tensor."""
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    rollout: torch.Tensor
+    advantages: torch.Tensor
+    seq_len: int           # T_pad: the full padded length (pipeline p2p shapes)
+
+    def rows(self, mb: int, mbs: int) -> slice:
+        return slice(mb * mbs, (mb + 1) * mbs)
+
+
+def _cp_split(x_BT: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    multiple = 2 * groups.cp_size if groups.cp_size > 1 else 1
+    return split_for_cp(pad_to_multiple(x_BT, multiple), groups.cp_size, groups.cp_rank)
+
+
+def _shard(batch: StepBatch, groups: ParallelGroups, device: torch.device) -> _Shard:
+    _check_batch(batch)
+
+    def local(x_BT: torch.Tensor) -> torch.Tensor:
+        return _cp_split(x_BT.to(device, non_blocking=True), groups)
+
+    tokens = local(batch.tokens_BT)
+    seq_len = tokens.shape[1] * groups.cp_size
+    positions = zigzag_token_positions(seq_len, groups.cp_size, groups.cp_rank, device=device)
+    return _Shard(
+        tokens=tokens,
+        positions=positions.unsqueeze(0).expand_as(tokens),
+        targets=local(batch.targets_BT),
+        mask=local(batch.response_mask_BT.float()),
+        rollout=local(batch.rollout_log_probs_BT.float()),
+        advantages=local(batch.advantages_BT.float()),
+        seq_len=seq_len,
+    )
+
+
+def _model_device(model_chunks: list[Any]) -> torch.device:
+    return next(model_chunks[0].parameters()).device
+
+
+def _check_batch(batch: StepBatch) -> None:
+    shape = batch.tokens_BT.shape
+    if batch.tokens_BT.dim() != 2:
+        raise ValueError(f"StepBatch.tokens_BT must be [B, T], got shape {tuple(shape)}")
+    for field in dataclasses.fields(batch):
+        tensor = getattr(batch, field.name)
+        if tensor.shape != shape:
+            raise ValueError(f"StepBatch.{field.name} has shape {tuple(tensor.shape)}, expected tokens_BT's "
+                             f"{tuple(shape)}")
+    for name in ("tokens_BT", "targets_BT"):
+        if getattr(batch, name).is_floating_point():
+            raise ValueError(f"StepBatch.{name} must be an integer tensor, got {getattr(batch, name).dtype}")
+
+
+def _num_microbatches(batch_size: int, micro_batch_size: int) -> int:
+    if batch_size % micro_batch_size:
+        raise ValueError(f"the mini-batch has {batch_size} sequences on this DP rank, not a multiple of "
+                         f"micro_batch_size={micro_batch_size}; pick a micro_batch_size that divides it")
+    return batch_size // micro_batch_size
+
+
+def _group_or_none(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup | None:
+    return group if size > 1 else None
+
+
+# ---- running the pipeline schedule ---------------------------------------------------------
+
+def _run_schedule(model_chunks: list[Any], shard: _Shard, loss_fn, *, groups: ParallelGroups,
+                  num_microbatches: int, micro_batch_size: int, forward_only: bool) -> None:
+    """Megatron-Core's forward(/backward) schedule; `loss_fn(mb, logits)` -> (loss, {})."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    def forward_step(micro_batch_ids, model):
+        mb = next(micro_batch_ids)
+        rows = shard.rows(mb, micro_batch_size)
+        output = model(shard.tokens[rows], shard.positions[rows], None)
+        return output, partial(loss_fn, mb)
+
+    if groups.vpp_size and num_microbatches < groups.pp_size:
+        raise ValueError(f"virtual pipelining (vpp={groups.vpp_size}) needs at least pp={groups.pp_size} micro-batches "
+                         f"per DP rank, got {num_microbatches}: lower micro_batch_size={micro_batch_size}")
+    config = model_chunks[0].config
+    iterators = [iter(range(num_microbatches)) for _ in model_chunks]
+    forward_backward = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size)
+    forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=model_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=shard.seq_len,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=config),
+        pg_collection=groups.pg_collection,
+    )
+
+
+def _merge_cp(local_BT: torch.Tensor, groups: ParallelGroups, seq_len: int) -> torch.Tensor:
+    """Full [B, seq_len] from every CP rank's zigzag shard (all-gather over CP)."""
+    if groups.cp_size > 1:
+        shards = [torch.empty_like(local_BT) for _ in range(groups.cp_size)]
+        dist.all_gather(shards, local_BT.contiguous(), group=groups.cp)
+        local_BT = merge_from_cp(shards, groups.cp_size)
+    return local_BT[:, :seq_len]
+
+
+def compute_old_log_probs(model_chunks: list[Any], batch: StepBatch, *, groups: ParallelGroups,
+                          micro_batch_size: int, temperature: float) -> torch.Tensor | None:
+    """log pi_old(targets) [B, T] float32 (full, merged over CP) on last-stage ranks, None elsewhere.
+
+    A forward-only pass of the current weights through the pipeline schedule. Collective over
+    the model-parallel group of this DP rank (all of TP x CP x PP must call it).
+    """
+    shard = _shard(batch, groups, _model_device(model_chunks))
+    num_microbatches = _num_microbatches(shard.tokens.shape[0], micro_batch_size)
+    log_probs: list[torch.Tensor | None] = [None] * num_microbatches
+
+    def loss_fn(mb, logits):
+        rows = shard.rows(mb, micro_batch_size)
+        log_probs[mb], _ = token_logprobs_and_entropy(logits, shard.targets[rows], tp_group=groups.tp,
+                                                      temperature=temperature)
+        return logits.new_zeros(()), {}
+
+    with torch.no_grad():
+        _run_schedule(model_chunks, shard, loss_fn, groups=groups, num_microbatches=num_microbatches,
+                      micro_batch_size=micro_batch_size, forward_only=True)
+    if not groups.is_pipeline_last_stage():
+        return None
+    return _merge_cp(torch.cat(log_probs), groups, batch.tokens_BT.shape[1])
+
+
+# ---- the training step ---------------------------------------------------------------------
+
+@dataclass
+class _LossInputs:
+    """What the last stage's loss needs for the whole mini-batch (CP-sharded, [B, T_local])."""
+    old: torch.Tensor
+    loss_mask: torch.Tensor
+    is_weights: torch.Tensor | None
+    normalizers: list
+    correction_metrics: dict[str, torch.Tensor]
+
+
+def _prepare_loss_inputs(shard: _Shard, old_log_probs: torch.Tensor | None, cfg: StepConfig,
+                         groups: ParallelGroups, num_microbatches: int, correct_in_loss: bool) -> _LossInputs:
+    cp_group = _group_or_none(groups.cp, groups.cp_size)
+    dp_group = _group_or_none(groups.dp, groups.dp_size)
+    if cfg.correction.bypass_mode:
+        old = shard.rollout
+    else:
+        if old_log_probs is None:
+            raise ValueError("decoupled mode (correction.bypass_mode=False) needs old_log_probs from "
+                             "compute_old_log_probs on the last pipeline stage; or set bypass_mode: true")
+        old = _cp_split(old_log_probs.to(shard.rollout.device, torch.float32), groups)
+        if old.shape != shard.rollout.shape:
+            raise ValueError(f"old_log_probs has shape {tuple(old_log_probs.shape)} but the batch is "
+                             f"{tuple(shard.rollout.shape[:1])} x T; pass compute_old_log_probs' result")
+    if correct_in_loss:
+        loss_mask, is_weights, metrics = shard.mask, None, {}
+    else:
+        corr = compute_rollout_correction(old, shard.rollout, shard.mask, cfg.correction, cp_group=cp_group,
+                                          dp_group=dp_group, check_inputs=False)
+        loss_mask, is_weights, metrics = corr.response_mask, corr.is_weights, corr.metrics
+    mbs = cfg.micro_batch_size
+    masks = [loss_mask[shard.rows(mb, mbs)] for mb in range(num_microbatches)]
+    normalizers = global_loss_normalizers(masks, cfg.loss.loss_agg_mode, cp_group=cp_group, dp_group=dp_group)
+    return _LossInputs(old, loss_mask, is_weights, normalizers, metrics)
+
+
+def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBatch, *, groups: ParallelGroups,
+                    cfg: StepConfig, old_log_probs: torch.Tensor | None) -> StepResult:
+    """Forward/backward over the micro-batches of `batch`, then one optimizer step.
+
+    Collective over all ranks. `old_log_probs`: compute_old_log_probs' result in decoupled mode
+    (read on the last pipeline stage only); ignored in bypass mode.
+    """
+    shard = _shard(batch, groups, _model_device(model_chunks))
+    mbs = cfg.micro_batch_size
+    num_microbatches = _num_microbatches(shard.tokens.shape[0], mbs)
+    is_last = groups.is_pipeline_last_stage()
+    correct_in_loss = cfg.correction.bypass_mode and cfg.use_policy_gradient
+    loss_cfg = dataclasses.replace(cfg.loss, loss_type="policy_gradient") if cfg.use_policy_gradient else cfg.loss
+    inputs = (_prepare_loss_inputs(shard, old_log_probs, cfg, groups, num_microbatches, correct_in_loss)
+              if is_last else None)
+    cp_group = _group_or_none(groups.cp, groups.cp_size)
+    dp_group = _group_or_none(groups.dp, groups.dp_size)
+    scale = loss_scale_for_schedule(num_microbatches, groups)
+    compute_entropy = cfg.loss.entropy_coeff != 0.0
+    losses, partials, corr_metrics = [], [], []
+
+    def loss_fn(mb, logits):
+        rows = shard.rows(mb, mbs)
+        log_prob, entropy = token_logprobs_and_entropy(logits, shard.targets[rows], tp_group=groups.tp,
+                                                       temperature=cfg.temperature, compute_entropy=compute_entropy)
+        loss_mask, is_weights = inputs.loss_mask[rows], None if inputs.is_weights is None else inputs.is_weights[rows]
+        if correct_in_loss:
+            corr = compute_rollout_correction(log_prob.detach(), shard.rollout[rows], loss_mask, cfg.correction,
+                                              cp_group=cp_group, dp_group=dp_group, check_inputs=False)
+            loss_mask, is_weights = corr.response_mask, corr.is_weights
+            corr_metrics.append(corr.metrics)
+        out = policy_loss(log_prob, inputs.old[rows], shard.advantages[rows], loss_mask, loss_cfg,
+                          normalizer=inputs.normalizers[mb], is_weights=is_weights, entropy=entropy)
+        losses.append(out.loss.detach())
+        partials.append(out.metrics)
+        return out.loss * scale, {}
+
+    zero_grads(model_chunks, optimizer)
+    _run_schedule(model_chunks, shard, loss_fn, groups=groups, num_microbatches=num_microbatches,
+                  micro_batch_size=mbs, forward_only=False)
+    lr = current_lr(optimizer)
+    update_successful, grad_norm, _ = optimizer.step()
+    if grad_norm is None:  # clip_grad == 0: Megatron skips the norm
+        grad_norm = optimizer.get_grad_norm()
+    if update_successful:
+        scheduler.step(increment=1)
+
+    metrics = {}
+    if is_last:
+        metrics = _last_stage_metrics(losses, partials, corr_metrics or [inputs.correction_metrics], groups,
+                                      cp_group, dp_group)
+    metrics = _broadcast_from_last_stage(metrics, groups, shard.tokens.device)
+    grad_norm_t = torch.as_tensor(float(grad_norm), dtype=torch.float32)
+    metrics["actor/grad_norm"] = grad_norm_t
+    metrics["actor/lr"] = torch.as_tensor(lr, dtype=torch.float32)
+    return StepResult(metrics=metrics, grad_norm=grad_norm_t, update_successful=bool(update_successful))
+
+
+# ---- metrics -------------------------------------------------------------------------------
+
+def _last_stage_metrics(losses, partials, corr_metrics, groups: ParallelGroups, cp_group, dp_group
+                        ) -> dict[str, torch.Tensor]:
+    # Each micro-batch loss is this rank's share of the global loss: their sum over ranks is it.
+    pg_loss = torch.stack(losses).sum().double()
+    if groups.dp_cp_size > 1:
+        dist.all_reduce(pg_loss, group=groups.dp_cp)
+    metrics = {"actor/pg_loss": pg_loss.float()}
+    metrics.update({f"actor/{name}": value
+                    for name, value in reduce_metric_partials(partials, cp_group=cp_group, dp_group=dp_group).items()})
+    names = sorted({name for m in corr_metrics for name in m})
+    for name in names:
+        metrics[name] = torch.stack([m[name].float() for m in corr_metrics]).mean()
+    return metrics
+
+
+def _broadcast_from_last_stage(metrics: dict[str, torch.Tensor], groups: ParallelGroups,
+                               device: torch.device) -> dict[str, torch.Tensor]:
+    """The last stage's metrics on every pipeline stage (names as objects, values in one tensor)."""
+    if groups.pp_size == 1:
+        return metrics
+    src = dist.get_global_rank(groups.pp, groups.pp_size - 1)
+    names = [sorted(metrics)]
+    dist.broadcast_object_list(names, src=src, group=groups.pp, device=device)
+    if groups.is_pipeline_last_stage():
+        values = torch.stack([metrics[n].float().to(device) for n in names[0]]) if names[0] else None
+    else:
+        values = torch.empty(len(names[0]), dtype=torch.float32, device=device)
+    if values is None:
+        return {}
+    dist.broadcast(values, src=src, group=groups.pp)
+    return {name: values[i] for i, name in enumerate(names[0])}

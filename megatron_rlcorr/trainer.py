@@ -1,0 +1,253 @@
+"""The RL loop users launch: rollouts -> advantages -> (old log-probs) -> PPO epochs -> new weights to the engine.
+
+One step:
+1. Rollouts. On each data-parallel (DP) replica, its TP/CP/PP rank 0 draws the replica's share
+   of prompts, samples `rollout.n` responses per prompt with the rollout engine, scores them,
+   applies the overlong penalty and DAPO dynamic sampling (sampling.py), computes GRPO/RLOO
+   advantages and builds the padded batch (batch.py); the batch is then broadcast to the other
+   ranks of the replica, so every TP/CP/PP rank trains on identical rollouts.
+2. Decoupled mode: pi_old log-probs by a forward pass before any update (bypass mode skips it).
+3. `ppo_epochs` passes over the batch in mini-batches, one optimizer step each.
+4. The updated weights are exported (full, neutral names) and loaded into the engine.
+
+Metrics are 0-d tensors until the once-per-step log. Checkpoints are per rank (checkpoint.py):
+model chunks, optimizer, scheduler, RNG states and the step. Prompt and sampling generators are
+derived from (seed, step, DP rank, round), so a resumed run repeats the uninterrupted one exactly.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+import yaml
+
+from . import checkpoint
+from .advantages import group_advantages
+from .batch import build_step_batch, is_rollout_source, share_in_model_parallel, slice_batch
+from .data import get_task
+from .model import export_full_weights
+from .optimizer import build_model_and_optimizer
+from .parallel.groups import ParallelGroups
+from .progress import MetricsLogger
+from .recipe import Recipe
+from .rollout import DecoderShape, make_engine
+from .sampling import RolloutGroups, dynamic_sample, generate_groups, seeded_generator
+from .step import StepBatch, StepConfig, StepResult, compute_old_log_probs, train_minibatch
+
+# Per-rank sums sent from the rollout source to its replica, then summed over DP.
+_ROLLOUT_SUMS = ("round0_score", "round0_samples", "batch_reward", "batch_score", "batch_samples",
+                 "response_tokens", "eos_samples", "invalid_tokens", "all_tokens", "rounds",
+                 "informative_fraction", "filler_fraction", "replicas")
+
+
+def decoder_shape(model_cfg) -> DecoderShape:
+    """The rollout engine's view of the policy architecture."""
+    return DecoderShape(vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
+                        num_layers=model_cfg.num_layers, num_attention_heads=model_cfg.num_attention_heads,
+                        num_query_groups=model_cfg.num_query_groups, ffn_hidden_size=model_cfg.ffn_hidden_size,
+                        rotary_base=model_cfg.rotary_base, norm_epsilon=model_cfg.norm_epsilon,
+                        kv_channels=model_cfg.kv_channels)
+
+
+def run_dir_of(recipe: Recipe) -> Path:
+    return Path(recipe.trainer.output_dir) / recipe.name
+
+
+class Trainer:
+    """Builds the model, optimizer, engine and task for `recipe` on the given groups; `run()` trains."""
+
+    def __init__(self, recipe: Recipe, groups: ParallelGroups) -> None:
+        self.recipe, self.groups = recipe, groups
+        self.dp_size = recipe.check_layout(dist.get_world_size())
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.run_dir = run_dir_of(recipe)
+        self.rank0 = dist.get_rank() == 0
+        self.task = get_task(recipe.data.task, **recipe.data.task_args)
+        self.groups_per_rank = recipe.data.prompts_per_step // self.dp_size
+        trainer = recipe.trainer
+        self.model, self.optimizer, self.scheduler = build_model_and_optimizer(
+            recipe.model, recipe.optim, groups, seed=trainer.seed, total_steps=trainer.steps)
+        self.step_cfg = StepConfig(loss=recipe.algorithm.loss, correction=recipe.algorithm.rollout_correction,
+                                   micro_batch_size=trainer.micro_batch_size,
+                                   temperature=recipe.rollout.temperature or 1.0)
+        self.engine = None
+        if is_rollout_source(groups):
+            tok = self.task.tokenizer
+            self.engine = make_engine(recipe.rollout, decoder_shape(recipe.model), eos_token_id=tok.eos_id,
+                                      pad_token_id=tok.pad_id, device=self.device)
+        # step.py pads for CP itself; sequence parallelism also needs each CP chunk divisible by tp.
+        self.pad_multiple = 2 * groups.cp_size * groups.tp_size if recipe.parallel.sequence_parallel else 1
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> Path:
+        trainer = self.recipe.trainer
+        start = self._restore_or_start()
+        self._push_weights()
+        logger = MetricsLogger(self.run_dir, trainer.steps, enabled=self.rank0, tensorboard=trainer.tensorboard,
+                               resume_step=start)
+        try:
+            for step in range(start + 1, trainer.steps + 1):
+                metrics = self.train_step(step)
+                if step % trainer.log_every == 0 or step == trainer.steps:
+                    logger.log(step, metrics)
+                exiting = bool(trainer.exit_interval) and step % trainer.exit_interval == 0
+                if step == trainer.steps or exiting or (trainer.save_every and step % trainer.save_every == 0):
+                    self.save(step)
+                if exiting and step < trainer.steps:
+                    if self.rank0:
+                        print(f"exit_interval={trainer.exit_interval}: stopping after step {step}; run again "
+                              f"to resume from {checkpoint.checkpoint_dir(self.run_dir, step)}", flush=True)
+                    break
+        finally:
+            logger.close()
+        if self.rank0:
+            print(f"metrics: {logger.path}", flush=True)
+        return self.run_dir
+
+    def train_step(self, step: int) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        batch, sums = self.rollouts(step)
+        t_gen = time.perf_counter()
+        old_log_probs = None
+        if self.step_cfg.correction.needs_old_log_prob_pass:
+            old_log_probs = compute_old_log_probs(self.model, batch, groups=self.groups,
+                                                  micro_batch_size=self.recipe.trainer.micro_batch_size,
+                                                  temperature=self.step_cfg.temperature)
+        results = self._update(batch, old_log_probs)
+        t_train = time.perf_counter()
+        self._push_weights()
+        t_end = time.perf_counter()
+        metrics = {**_rollout_metrics(sums), **_train_metrics(results)}
+        metrics.update({"timing/gen_s": t_gen - t0, "timing/train_s": t_train - t_gen,
+                        "timing/weight_sync_s": t_end - t_train, "timing/step_s": t_end - t0,
+                        "throughput/tokens_per_s": sums["all_tokens"] / (t_end - t0)})
+        return metrics
+
+    def rollouts(self, step: int) -> tuple[StepBatch, dict[str, torch.Tensor]]:
+        """This DP replica's StepBatch (identical on its TP/CP/PP ranks) and DP-summed rollout stats."""
+        batch = sums_vec = None
+        if self.engine is not None:
+            batch, sums_vec = self._generate(step)
+        batch, sums_vec = share_in_model_parallel(batch, sums_vec, self.groups, num_extras=len(_ROLLOUT_SUMS),
+                                                  device=self.device)
+        dist.all_reduce(sums_vec, group=self.groups.dp)
+        return batch, dict(zip(_ROLLOUT_SUMS, sums_vec.unbind()))
+
+    def _generate(self, step: int) -> tuple[StepBatch, torch.Tensor]:
+        recipe, dp_rank = self.recipe, self.groups.dp_rank
+        seed = recipe.trainer.seed
+
+        def draw(round_: int, num_prompts: int) -> RolloutGroups:
+            return generate_groups(
+                self.engine, self.task, num_prompts, rollout=recipe.rollout,
+                overlong=recipe.algorithm.overlong_penalty,
+                prompt_generator=seeded_generator(seed, "prompts", step, dp_rank, round_),
+                sample_generator=seeded_generator(seed, "samples", step, dp_rank, round_, device=self.device))
+
+        sampling = recipe.algorithm.dynamic_sampling
+        rollouts, first, stats = dynamic_sample(draw, self.groups_per_rank, enabled=sampling.enabled,
+                                                max_rounds=sampling.max_rounds)
+        algo = recipe.algorithm
+        advantages_B = group_advantages(rollouts.rewards_GN, algo.advantage_estimator, algo.norm_adv_by_std).reshape(-1)
+        batch, invalid = build_step_batch(rollouts, advantages_B, pad_multiple=self.pad_multiple)
+        lengths = rollouts.response_lengths()
+        sums = [first.scores_GN.sum(), first.scores_GN.numel(), rollouts.rewards_GN.sum(), rollouts.scores_GN.sum(),
+                rollouts.scores_GN.numel(), lengths.sum(), sum(r == "eos" for r in rollouts.finish_reasons), invalid,
+                sum(len(p) for p in rollouts.prompt_ids()) + lengths.sum(), stats.rounds,
+                stats.informative_fraction, stats.filler_fraction, 1]
+        return batch, torch.tensor([float(x) for x in sums], dtype=torch.float64)
+
+    def _update(self, batch: StepBatch, old_log_probs: torch.Tensor | None) -> list[StepResult]:
+        trainer = self.recipe.trainer
+        per_rank = batch.tokens_BT.shape[0]
+        mini = trainer.mini_batch_size // self.dp_size if trainer.mini_batch_size else per_rank
+        results = []
+        for _ in range(trainer.ppo_epochs):
+            for start in range(0, per_rank, mini):
+                old = None if old_log_probs is None else old_log_probs[start:start + mini]
+                results.append(train_minibatch(self.model, self.optimizer, self.scheduler,
+                                               slice_batch(batch, start, start + mini), groups=self.groups,
+                                               cfg=self.step_cfg, old_log_probs=old))
+        return results
+
+    def _push_weights(self) -> None:
+        """Collective over TP and PP (every rank calls it); only rollout sources keep the result."""
+        weights = export_full_weights(self.model, self.groups)
+        if self.engine is not None:
+            self.engine.load_weights(weights)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, step: int) -> Path:
+        from megatron.core import tensor_parallel
+
+        state = {"step": step, "model": [chunk.state_dict() for chunk in self.model],
+                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "rng": checkpoint.rng_state(), "tp_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
+                 "recipe": self.recipe.raw}
+        if self.rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.raw, sort_keys=False))
+        return checkpoint.save(self.run_dir, step, state)
+
+    def _restore_or_start(self) -> int:
+        """The step to continue from: the latest checkpoint's with trainer.resume, else 0."""
+        latest = checkpoint.latest_step(self.run_dir)
+        dist.barrier()  # every rank read the marker before rank 0 may remove it
+        if latest is None or not self.recipe.trainer.resume:
+            if latest is not None and self.rank0:
+                (self.run_dir / "checkpoints" / "latest").unlink()  # a fresh run: never resume the old one
+            dist.barrier()
+            return 0
+        from megatron.core import tensor_parallel
+
+        state = checkpoint.load(self.run_dir, latest)
+        for chunk, chunk_state in zip(self.model, state["model"]):
+            chunk.load_state_dict(chunk_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        # The recipe's schedule wins (a run may be extended); the checkpoint gives the step count.
+        self.scheduler.override_opt_param_scheduler, self.scheduler.use_checkpoint_opt_param_scheduler = True, False
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tp_rng"])
+        if self.rank0:
+            print(f"resumed from {checkpoint.checkpoint_dir(self.run_dir, latest)} (step {latest})", flush=True)
+        return latest
+
+
+def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    samples, replicas = sums["batch_samples"], sums["replicas"]
+    valid_tokens = sums["response_tokens"] - sums["invalid_tokens"]
+    return {
+        "reward_mean": sums["round0_score"] / sums["round0_samples"],
+        "reward/batch_score_mean": sums["batch_score"] / samples,
+        "reward/batch_reward_mean": sums["batch_reward"] / samples,
+        "response_length_mean": sums["response_tokens"] / samples,
+        "response/clip_fraction": 1 - sums["eos_samples"] / samples,
+        "rollout_corr/invalid_rollout_token_fraction": sums["invalid_tokens"] / sums["response_tokens"].clamp(min=1),
+        "dynamic_sampling/rounds": sums["rounds"] / replicas,
+        "dynamic_sampling/informative_fraction": sums["informative_fraction"] / replicas,
+        "dynamic_sampling/filler_fraction": sums["filler_fraction"] / replicas,
+        "batch/valid_response_tokens": valid_tokens,
+    }
+
+
+def _train_metrics(results: list[StepResult]) -> dict[str, torch.Tensor]:
+    """Averages over the mini-batch updates of the step (lr: the last one)."""
+    keys = results[0].metrics.keys()
+    metrics = {k: torch.stack([r.metrics[k].float() for r in results]).mean() for k in keys}
+    if "actor/lr" in keys:
+        metrics["actor/lr"] = results[-1].metrics["actor/lr"]
+    metrics["loss"] = metrics.get("actor/pg_loss", torch.tensor(float("nan")))
+    metrics["grad_norm"] = torch.stack([r.grad_norm.float() for r in results]).mean()
+    metrics["lr"] = metrics.get("actor/lr", torch.tensor(float("nan")))
+    metrics["actor/skipped_updates"] = torch.tensor(float(sum(not r.update_successful for r in results)))
+    return metrics
+
+
+def train(recipe: Recipe, groups: ParallelGroups) -> Path:
+    """Train `recipe` on the given groups (process group and Megatron groups already built)."""
+    return Trainer(recipe, groups).run()

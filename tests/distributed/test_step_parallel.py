@@ -1,0 +1,270 @@
+"""One training step (step.train_minibatch) under TP / CP / PP / DP layouts (gloo, CPU) against a
+plain-torch single-process reference on the whole batch.
+
+The reference (`_torch_step`) uses `reference_forward` with autograd, the public correction and
+loss functions and torch's Adam: it shares no code with the Megatron path except the correction
+and loss math. Every parallel run builds the same seeded fp32 model, trains one mini-batch per
+scenario and returns its loss, correction metrics, full gradients (neutral names) and full
+weights after the Adam step. Scenarios cover decoupled and bypass mode, PPO and policy
+gradient, and the three loss aggregations; the data has a real rollout mismatch (model
+log-probs + noise) and two sequences with a catastrophic token (vetoed: with micro-batch size 2
+the first micro-batch is rejected entirely).
+"""
+import importlib.util
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
+                       reason="CPU-path test; Transformer Engine is installed"),
+]
+
+CFG = dict(vocab_size=100, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+           ffn_hidden_size=48, tie_embeddings=True, add_qkv_bias=True, max_position_embeddings=64)
+SEED, BATCH, SEQ = 7, 8, 13
+OPTIM = dict(lr=1e-2, clip_grad=1e6, adam_eps=1e-6)
+TEMPERATURE = 0.9
+
+SCENARIOS = {
+    "dec_ppo_tok": dict(
+        correction=dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
+                        rollout_rs="geometric", rollout_rs_threshold=1.1, rollout_token_veto_threshold=1e-4),
+        loss=dict(loss_type="ppo_clip", loss_agg_mode="token-mean", entropy_coeff=0.01)),
+    "dec_pg_stm": dict(
+        correction=dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token", rollout_rs_threshold=1.6,
+                        use_policy_gradient=True),
+        loss=dict(loss_agg_mode="seq-mean-token-mean")),
+    "byp_ppo_sts": dict(
+        correction=dict(rollout_is="token", rollout_is_threshold=2.0, bypass_mode=True,
+                        rollout_token_veto_threshold=1e-4),
+        loss=dict(loss_type="ppo_clip", loss_agg_mode="seq-mean-token-sum")),
+    "byp_pg_stm": dict(
+        correction=dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token", rollout_rs_threshold=1.6,
+                        rollout_token_veto_threshold=1e-4, bypass_mode=True, use_policy_gradient=True),
+        loss=dict(loss_agg_mode="seq-mean-token-mean")),
+    "all_rejected": dict(
+        correction=dict(rollout_is="token", rollout_token_veto_threshold=0.5),
+        loss=dict(loss_type="ppo_clip", loss_agg_mode="token-mean")),
+}
+
+# (tp, pp, cp, world) -> [(scenario, micro_batch_size)]; bypass policy gradient corrects per
+# micro-batch, so its metrics match the reference only with one micro-batch per DP rank.
+LAYOUTS = {
+    "tp2": ((2, 1, 1, 2), [("dec_ppo_tok", 2), ("byp_pg_stm", 8)]),
+    "cp2": ((1, 1, 2, 2), [("dec_ppo_tok", 4), ("byp_ppo_sts", 2)]),
+    "pp2": ((1, 2, 1, 2), [("dec_pg_stm", 2), ("byp_ppo_sts", 4), ("all_rejected", 2)]),
+    "dp2": ((1, 1, 1, 2), [("byp_pg_stm", 4), ("dec_pg_stm", 2)]),
+    "tp2cp2": ((2, 1, 2, 4), [("dec_pg_stm", 2), ("byp_pg_stm", 8)]),
+    "tp2pp2": ((2, 2, 1, 4), [("dec_ppo_tok", 2), ("byp_pg_stm", 8)]),
+    "cp2pp2": ((1, 2, 2, 4), [("byp_ppo_sts", 2), ("dec_ppo_tok", 4)]),
+    "tp2cp2pp2": ((2, 2, 2, 8), [("dec_ppo_tok", 2), ("byp_pg_stm", 8)]),
+}
+
+
+# ---- data and the plain-torch reference ---------------------------------------------------------
+
+def _make_batch(weights, cfg, scenario):
+    """Right-padded prompts + responses; rollout log-probs = the model's (tempered) + noise."""
+    from megatron_rlcorr.model import reference_forward
+
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    mask = torch.zeros(BATCH, SEQ)
+    for i in range(BATCH):
+        prompt, length = 2 + i % 3, 3 + (5 * i) % 8
+        end = min(prompt + length, SEQ - 1)
+        tokens[i, end + 1:] = 0
+        mask[i, prompt:end] = 1
+    mask[5] = 0  # an empty sequence
+    targets = torch.cat([tokens[:, 1:], torch.zeros(BATCH, 1, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        logits = reference_forward(weights, cfg, tokens) / TEMPERATURE
+        model_lp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    rollout = model_lp + 0.15 * torch.randn(BATCH, SEQ, generator=gen)
+    rollout[0, 4] -= 12.0  # catastrophic tokens: rows 0 and 1 are vetoed
+    rollout[1, 5] -= 12.0
+    if scenario == "all_rejected":
+        rollout = rollout + 5.0  # far above the model: every sequence is vetoed
+    rollout = torch.where(mask > 0, rollout.clamp(max=-1e-3), torch.nan)  # garbage where masked
+    advantages = torch.randn(BATCH, 1, generator=gen).expand(BATCH, SEQ).contiguous()
+    return dict(tokens_BT=tokens, targets_BT=targets, response_mask_BT=mask, rollout_log_probs_BT=rollout,
+                advantages_BT=advantages)
+
+
+def _step_config(scenario, micro_batch_size):
+    from megatron_rlcorr.config import RolloutCorrectionConfig
+    from megatron_rlcorr.losses import LossConfig
+    from megatron_rlcorr.step import StepConfig
+
+    spec = SCENARIOS[scenario]
+    return StepConfig(loss=LossConfig(**spec["loss"]), correction=RolloutCorrectionConfig(**spec["correction"]),
+                      micro_batch_size=micro_batch_size, temperature=TEMPERATURE)
+
+
+def _torch_step(cfg, weights, data, step_cfg):
+    """Loss, correction metrics, gradients, grad norm and post-Adam weights on one process."""
+    import dataclasses
+
+    from megatron_rlcorr.correction import compute_rollout_correction
+    from megatron_rlcorr.losses import global_loss_normalizers, policy_loss
+    from megatron_rlcorr.model import reference_forward
+
+    leaves = {k: v.clone().requires_grad_() for k, v in weights.items() if k != "lm_head.weight"}
+    logits = reference_forward(leaves, cfg, data["tokens_BT"]) / step_cfg.temperature
+    log_prob = logits.log_softmax(-1).gather(-1, data["targets_BT"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    mask, rollout = data["response_mask_BT"], data["rollout_log_probs_BT"]
+    corr_cfg, loss_cfg = step_cfg.correction, step_cfg.loss
+    if step_cfg.use_policy_gradient:
+        loss_cfg = dataclasses.replace(loss_cfg, loss_type="policy_gradient")
+    old = rollout if corr_cfg.bypass_mode else log_prob.detach()
+    in_loss = corr_cfg.bypass_mode and step_cfg.use_policy_gradient
+    corr = compute_rollout_correction(log_prob.detach() if in_loss else old, rollout, mask, corr_cfg)
+    normalizer = global_loss_normalizers([mask if in_loss else corr.response_mask], loss_cfg.loss_agg_mode)[0]
+    out = policy_loss(log_prob, old, data["advantages_BT"], corr.response_mask, loss_cfg, normalizer=normalizer,
+                      is_weights=corr.is_weights, entropy=entropy if loss_cfg.entropy_coeff else None)
+    out.loss.backward()
+    grads = {k: v.grad.clone() for k, v in leaves.items()}
+    grad_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).float()
+    adam = torch.optim.Adam(leaves.values(), lr=OPTIM["lr"], eps=OPTIM["adam_eps"])
+    adam.step()
+    after = {k: v.detach() for k, v in leaves.items()}
+    grads["lm_head.weight"], after["lm_head.weight"] = grads["embed.weight"], after["embed.weight"]
+    return dict(loss=out.loss.detach(), metrics=corr.metrics, grads=grads, grad_norm=grad_norm, after=after,
+                old=log_prob.detach())
+
+
+# ---- the Megatron worker ----------------------------------------------------------------------
+
+def _hide_gpus():
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    assert not torch.cuda.is_available(), "CUDA was initialised before the GPUs could be hidden"
+
+
+def _export_grads(chunks, groups):
+    """Full gradients (DDP main_grad buffers) in neutral names, through export_full_weights."""
+    from megatron_rlcorr.model import export_full_weights
+
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    saved = [p.data.clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.data.copy_(p.main_grad)
+        grads = export_full_weights(chunks, groups)
+        for p, data in zip(params, saved):
+            p.data.copy_(data)
+    return grads
+
+
+def _train_worker(rank, world, tp, pp, cp, runs, batches):
+    """For each (scenario, micro_batch_size): fresh model, one train_minibatch, results."""
+    _hide_gpus()
+    from megatron_rlcorr.model import ModelConfig, export_full_weights
+    from megatron_rlcorr.optimizer import build_model_and_optimizer
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups
+    from megatron_rlcorr.recipe import OptimSettings
+    from megatron_rlcorr.step import StepBatch, compute_old_log_probs, train_minibatch
+
+    enable_cpu_megatron()
+    groups = build_parallel_groups(tp, pp, cp)
+    rows = slice(groups.dp_rank * BATCH // groups.dp_size, (groups.dp_rank + 1) * BATCH // groups.dp_size)
+    results = []
+    for scenario, mbs in runs:
+        chunks, optimizer, scheduler = build_model_and_optimizer(ModelConfig(**CFG), OptimSettings(**OPTIM), groups,
+                                                                 seed=SEED, total_steps=4)
+        batch = StepBatch(**{k: v[rows] for k, v in batches[scenario].items()})
+        cfg = _step_config(scenario, mbs)
+        old = None
+        if not cfg.correction.bypass_mode:
+            old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=mbs,
+                                        temperature=cfg.temperature)
+        result = train_minibatch(chunks, optimizer, scheduler, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        results.append(dict(scenario=scenario, dp_rank=groups.dp_rank, old=old, metrics=result.metrics,
+                            update_successful=result.update_successful, grads=_export_grads(chunks, groups),
+                            after=export_full_weights(chunks, groups)))
+    return results
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def references():
+    from megatron_rlcorr.model import ModelConfig, init_full_weights
+
+    cfg = ModelConfig(**CFG)
+    weights = init_full_weights(cfg, SEED)
+    batches = {name: _make_batch(weights, cfg, name) for name in SCENARIOS}
+    refs = {name: _torch_step(cfg, weights, batches[name], _step_config(name, BATCH)) for name in SCENARIOS}
+    return dict(weights=weights, batches=batches, refs=refs)
+
+
+def _assert_matches(result, ref, where):
+    for name, value in ref["metrics"].items():
+        torch.testing.assert_close(result["metrics"][name], value, rtol=1e-4, atol=1e-6, msg=lambda m, w=f"{where} {name}": f"{w}: {m}")
+    torch.testing.assert_close(result["metrics"]["actor/pg_loss"], ref["loss"], rtol=1e-5, atol=1e-7,
+                               msg=lambda m, w=f"{where} loss": f"{w}: {m}")
+    assert result["update_successful"]
+    for name in ref["grads"]:
+        torch.testing.assert_close(result["grads"][name], ref["grads"][name], rtol=1e-4, atol=2e-7,
+                                   msg=lambda m, w=f"{where} grad {name}": f"{w}: {m}")
+        torch.testing.assert_close(result["after"][name], ref["after"][name], rtol=0, atol=1e-4,
+                                   msg=lambda m, w=f"{where} weight {name}": f"{w}: {m}")
+    torch.testing.assert_close(result["metrics"]["actor/grad_norm"], ref["grad_norm"], rtol=1e-4, atol=1e-8,
+                               msg=lambda m, w=f"{where} grad norm": f"{w}: {m}")
+
+
+def _check_old_log_probs(results, ref, scenario, dp_size):
+    olds = [r["old"] for r in results if r["scenario"] == scenario and r["old"] is not None]
+    if not olds:
+        return
+    per_dp = {}
+    for r in results:
+        if r["scenario"] == scenario and r["old"] is not None:
+            per_dp.setdefault(r["dp_rank"], r["old"])
+    old = torch.cat([per_dp[d] for d in range(dp_size)])
+    mask = ref["batches"][scenario]["response_mask_BT"] > 0
+    torch.testing.assert_close(old[mask], ref["refs"][scenario]["old"][mask], rtol=0, atol=2e-5)
+
+
+def test_single_process_micro_batch_size_independent(references):
+    """mbs 1, 4 and 8 on one process give the reference's gradient (every scenario but bypass
+    policy gradient, whose per-micro-batch correction metrics differ by design)."""
+    runs = [("dec_ppo_tok", 1), ("dec_ppo_tok", 4), ("dec_pg_stm", 4), ("byp_ppo_sts", 1), ("byp_pg_stm", 8)]
+    results = run_distributed(_train_worker, 1, 1, 1, 1, runs, references["batches"])[0]
+    for (scenario, mbs), result in zip(runs, results):
+        _assert_matches(result, references["refs"][scenario], f"1 process {scenario} mbs={mbs}")
+    torch.testing.assert_close(results[0]["grads"]["embed.weight"], results[1]["grads"]["embed.weight"],
+                               rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(layout, references):
+    (tp, pp, cp, world), runs = LAYOUTS[layout]
+    all_results = run_distributed(_train_worker, world, tp, pp, cp, runs, references["batches"])
+    dp_size = world // (tp * pp * cp)
+    for i, (scenario, mbs) in enumerate(runs):
+        results = [rank_results[i] for rank_results in all_results]
+        ref = references["refs"][scenario]
+        for rank, result in enumerate(results):
+            _assert_matches(result, ref, f"{layout} rank {rank} {scenario} mbs={mbs}")
+        _check_old_log_probs(results, references, scenario, dp_size)
+        if scenario == "all_rejected":
+            _assert_all_rejected(results, references["weights"])
+
+
+def _assert_all_rejected(results, weights):
+    """Every token vetoed, PP=2: loss 0, zero gradient, unchanged weights, finite metrics."""
+    for result in results:
+        assert float(result["metrics"]["actor/pg_loss"]) == 0.0
+        assert float(result["metrics"]["rollout_corr/rollout_is_veto_fraction"]) == 1.0
+        assert all(torch.isfinite(v).all() for v in result["metrics"].values())
+        assert all(float(g.abs().max()) == 0.0 for g in result["grads"].values())
+        for name, value in weights.items():
+            torch.testing.assert_close(result["after"][name], value, rtol=0, atol=0)

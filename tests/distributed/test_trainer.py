@@ -1,0 +1,152 @@
+"""The RL trainer end to end on 2 gloo processes: torchrun entry, resume, every correction preset."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rlcorr.config import PRESETS
+from tests.dist import run_distributed
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
+                       reason="CPU-path test; Transformer Engine is installed"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0",
+         "trainer.tensorboard=false"]
+# Wall-clock dependent: everything else must repeat exactly.
+NONDETERMINISTIC = ("time", "timing/", "throughput/")
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _deterministic(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC)}
+
+
+def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+         "megatron_rlcorr.train", "--config", str(TINY), "trainer.steps=3", f"trainer.output_dir={tmp_path}",
+         *SMALL, "algorithm.dynamic_sampling.enabled=true"],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("step ") == 3 and "metrics:" in proc.stdout
+    run_dir = tmp_path / "tiny_cpu"
+    records = _read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    required = {"reward_mean", "response_length_mean", "loss", "grad_norm", "lr", "timing/gen_s", "timing/train_s",
+                "throughput/tokens_per_s", "rollout_corr/invalid_rollout_token_fraction", "rollout_corr/k3_kl",
+                "rollout_corr/log_ppl_diff", "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_batch_norm_factor",
+                "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_is_veto_fraction",
+                "actor/pg_loss", "dynamic_sampling/rounds"}
+    for record in records:
+        assert required <= record.keys(), required - record.keys()
+        bad = {k: v for k, v in record.items() if not math.isfinite(v)}
+        assert not bad
+        assert 0.0 <= record["reward_mean"] <= 1.0 and 1.0 <= record["response_length_mean"] <= 4.0
+        assert record["lr"] == pytest.approx(3e-3) and record["grad_norm"] > 0
+        assert record["rollout_corr/invalid_rollout_token_fraction"] == 0.0
+        # bf16 rollout vs fp32 training: a small but real mismatch.
+        assert 0 < record["rollout_corr/k3_kl"] < 1e-2
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "3"
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_000003").iterdir()) == \
+        ["rank_00000.pt", "rank_00001.pt"]
+
+
+def _train_runs(rank, world_size, runs):
+    """Each (recipe path, overrides) in turn, each on its recipe's layout; rank 0's metrics of each."""
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
+    from megatron_rlcorr.recipe import load_recipe
+    from megatron_rlcorr.trainer import train
+
+    enable_cpu_megatron()
+    out = []
+    for path, overrides in runs:
+        recipe = load_recipe(path, overrides)
+        p = recipe.parallel
+        groups = build_parallel_groups(p.tp, p.pp, p.cp, p.vpp)
+        try:
+            run_dir = train(recipe, groups)
+        finally:
+            destroy_parallel_groups()
+        out.append(_read_metrics(run_dir) if rank == 0 else None)
+    return out
+
+
+def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
+    k = 3
+    common = [*SMALL, "algorithm.dynamic_sampling.enabled=true", "optim.warmup_steps=2", "optim.decay_style=cosine"]
+
+    def run(name, *extra):
+        return (TINY, [*common, f"name={name}", f"trainer.output_dir={tmp_path}", *extra])
+
+    runs = [run("whole", f"trainer.steps={2 * k}"),
+            # Megatron's exit interval: stops after step k with a checkpoint, the rerun resumes.
+            run("exit", f"trainer.steps={2 * k}", f"trainer.exit_interval={k}"),
+            run("exit", f"trainer.steps={2 * k}", f"trainer.exit_interval={k}")]
+    whole, first_half, resumed = run_distributed(_train_runs, 2, runs)[0]
+    assert [r["step"] for r in first_half] == list(range(1, k + 1))
+    assert [r["step"] for r in resumed] == list(range(1, 2 * k + 1))
+    assert resumed[:k] == first_half  # steps 1..k were not re-run (their wall times are kept)...
+    assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in whole]  # ...and k+1.. repeat
+    assert len({r["loss"] for r in whole}) == 2 * k  # the steps really differ
+    assert whole[0]["lr"] == 0.0 and whole[-1]["lr"] != whole[2]["lr"]  # warm-up and cosine decay ran
+
+
+def test_extending_a_finished_run_continues_it(tmp_path):
+    """Run K steps, then the same recipe with 2K steps resumes from the K checkpoint."""
+    k = 2
+
+    def run(name, steps):
+        return (TINY, [*SMALL, f"name={name}", f"trainer.output_dir={tmp_path}", f"trainer.steps={steps}"])
+
+    whole, short, extended = run_distributed(_train_runs, 2, [run("whole", 2 * k), run("ext", k), run("ext", 2 * k)])[0]
+    assert extended[:k] == short
+    assert [_deterministic(r) for r in extended] == [_deterministic(r) for r in whole]
+
+
+def test_every_preset_recipe_trains(tmp_path):
+    runs = [(ROOT / "recipes" / f"preset_{name}.yaml",
+             [*SMALL, "trainer.steps=2", f"trainer.output_dir={tmp_path}"]) for name in PRESETS]
+    results = run_distributed(_train_runs, 2, runs)[0]
+    for name, records in zip(PRESETS, results):
+        assert [r["step"] for r in records] == [1, 2], name
+        for record in records:
+            assert all(math.isfinite(v) for v in record.values()), name
+            assert record["grad_norm"] > 0, name
+            assert "rollout_corr/log_ppl_diff" in record, name
+        has_is = "rollout_corr/rollout_is_mean" in records[0]
+        assert has_is == (name in ("decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "ppo_is_bypass",
+                                   "pg_is")), name
+        assert ("rollout_corr/rollout_rs_masked_fraction" in records[0]) == name.endswith("rs"), name
+
+
+def test_tp_pp_cp_replicas_train_on_identical_rollouts(tmp_path):
+    """One DP replica over 2 ranks: the rollout source's batch reaches the other TP / PP / CP rank.
+
+    Same seeds and same initial weights under every layout, so step 1 draws the same rollouts:
+    rewards and rollout statistics agree exactly, losses to float rounding.
+    """
+    layouts = {"tp": ["parallel.tp=2"], "pp": ["parallel.pp=2"], "cp": ["parallel.cp=2"]}
+    runs = [(TINY, [*SMALL, "trainer.steps=2", f"name={name}", f"trainer.output_dir={tmp_path}", *extra])
+            for name, extra in layouts.items()]
+    tp, pp, cp = run_distributed(_train_runs, 2, runs)[0]
+    for other in (pp, cp):
+        first, ref = other[0], tp[0]
+        for key in ("reward_mean", "response_length_mean", "rollout_corr/rollout_log_ppl", "batch/valid_response_tokens"):
+            assert first[key] == ref[key], key
+        for key in ("loss", "rollout_corr/k3_kl", "rollout_corr/rollout_is_mean", "grad_norm"):
+            assert first[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), key

@@ -1,0 +1,108 @@
+"""Recipes: the shipped ones load; bad ones stop before any process group exists, naming key and fix."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rlcorr import cli, train
+from megatron_rlcorr.config import PRESETS, RolloutCorrectionConfig
+from megatron_rlcorr.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+
+
+def test_tiny_recipe_is_the_dapo_correction_on_two_processes():
+    recipe = load_recipe(TINY)
+    assert recipe.check_layout(2) == 2
+    assert recipe.algorithm.rollout_correction == RolloutCorrectionConfig(
+        rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_batch_normalize=True, rollout_rs="geometric",
+        rollout_rs_threshold=1.01, rollout_rs_threshold_lower=0.99, rollout_token_veto_threshold=1e-4)
+    assert recipe.rollout.precision == "bf16" and recipe.model.bf16 is False  # a real mismatch
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_recipe_is_its_preset(name):
+    recipe = load_recipe(ROOT / "recipes" / f"preset_{name}.yaml")
+    assert recipe.algorithm.rollout_correction == getattr(RolloutCorrectionConfig, name)()
+    assert recipe.name == f"preset_{name}"
+    assert recipe.model == load_recipe(TINY).model  # inherited through `base:`
+    recipe.check_layout(2)
+
+
+def test_base_chain_and_overrides(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {TINY}\nname: child\noptim: {{lr: 0.5}}\n")
+    recipe = load_recipe(child, ["trainer.steps=7", "data.task_args.digits=2"])
+    assert recipe.name == "child" and recipe.optim.lr == 0.5 and recipe.optim.clip_grad == 1.0
+    assert recipe.trainer.steps == 7 and recipe.data.task_args == {"digits": 2}
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("base: loop.yaml\n")
+    with pytest.raises(ValueError, match="circular"):
+        load_recipe(loop)
+
+
+BAD = [
+    (["trainer.stpes=3"], 'unknown key trainer.stpes (did you mean "steps"?)'),
+    (["optim.lr=fast"], "optim.lr must be a number, got 'fast'"),
+    (["trainer.steps=2.5"], "trainer.steps must be an integer"),
+    (["parallel.tp=3"], "world size 2 is not divisible by tp*pp*cp"),
+    (["data.prompts_per_step=3"], "prompts_per_step=3 must be divisible by the data-parallel size 2"),
+    (["algorithm.rollout_correction.rollout_is=seq"], "algorithm.rollout_correction: rollout_is"),
+    (["algorithm.rollout_correction.rollout_rs_threshold_lower=1.5"], "algorithm.rollout_correction"),
+    (["model.vocab_size=10"], "model.vocab_size=10 is smaller than the vocabulary"),
+    (["rollout.n=1"], "rollout.n=1"),
+    (["algorithm.dynamic_sampling.max_roundz=1"], 'did you mean "max_rounds"'),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD)
+def test_bad_recipe_stops_before_any_process_group(overrides, message, monkeypatch, capsys):
+    def no_process_group(*args, **kwargs):
+        raise AssertionError("a process group was created for a bad recipe")
+
+    monkeypatch.setattr(train.dist, "init_process_group", no_process_group)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert train.main(["--config", str(TINY), *overrides]) == train.EXIT_BAD_RECIPE
+    err = capsys.readouterr().err
+    assert message in err and err.startswith(f"error: recipe {TINY}")
+
+
+def test_bad_recipe_under_torchrun_exits_nonzero_on_every_rank(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+         "megatron_rlcorr.train", "--config", str(TINY), "trainer.stpes=3"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode != 0
+    assert proc.stderr.count('unknown key trainer.stpes (did you mean "steps"?)') == 1  # printed once, rank 0
+    # Only torchrun's own report of the failed child; no traceback from the recipe check.
+    assert "ValueError" not in proc.stderr and "megatron_rlcorr/" not in proc.stderr
+
+
+def test_cli_presets_lists_every_preset_with_its_settings(capsys):
+    assert cli.main(["presets"]) == 0
+    out = capsys.readouterr().out
+    for name in PRESETS:
+        assert f"\n{name}(" in "\n" + out
+    block = out[out.index("pg_rs("):]
+    assert "rs_threshold=1.001" in block and "bypass (2-policy), policy gradient" in block
+    for line in ("rollout_rs: geometric", "rollout_token_veto_threshold: 0.0001", "bypass_mode: True",
+                 "use_policy_gradient: True"):
+        assert f"    {line}" in block
+    disabled = out[out.index("disabled("):out.index("decoupled_token_is(")]
+    assert "metrics only" in disabled
+
+
+def test_cli_train_validates_before_launching(capsys, monkeypatch):
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: pytest.fail("launched a bad recipe"))
+    assert cli.main(["train", "--config", str(TINY), "--nproc", "3"]) == train.EXIT_BAD_RECIPE
+    assert "data-parallel size 3" in capsys.readouterr().err
+    launched = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: launched.append(cmd) or 0)
+    assert cli.main(["train", "--config", str(TINY), "--nproc", "2", "trainer.steps=1"]) == 0
+    assert launched[0][1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                               "megatron_rlcorr.train", "--config", str(TINY), "trainer.steps=1"]

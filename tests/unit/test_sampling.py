@@ -1,0 +1,138 @@
+"""Rollout collection: DAPO dynamic sampling, overlong penalty in the rewards, the padded batch."""
+import math
+
+import pytest
+import torch
+
+from megatron_rlcorr.batch import build_step_batch, slice_batch
+from megatron_rlcorr.data import EOS_ID, get_task
+from megatron_rlcorr.data.tasks import Prompt
+from megatron_rlcorr.recipe import OverlongPenalty
+from megatron_rlcorr.rollout import RolloutBatch, RolloutConfig
+from megatron_rlcorr.sampling import RolloutGroups, derive_seed, dynamic_sample, generate_groups
+
+N = 2  # samples per prompt
+
+
+def _groups(rewards_GN, tag=0):
+    rewards = torch.tensor(rewards_GN, dtype=torch.float32)
+    g = rewards.shape[0]
+    return RolloutGroups(
+        prompts=[Prompt(ids=[1, 3 + i], answer=f"{tag}.{i}") for i in range(g)],
+        response_ids=[[5, EOS_ID]] * (g * N),
+        logprobs=[torch.tensor([-0.5, -0.1])] * (g * N),
+        finish_reasons=["eos"] * (g * N),
+        scores_GN=rewards.clone(),
+        rewards_GN=rewards,
+    )
+
+
+class _Draws:
+    """draw(round, k): round r returns groups from a script (informative = unequal rewards)."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def __call__(self, round_, k):
+        self.calls.append((round_, k))
+        pattern = self.script[min(round_, len(self.script) - 1)]
+        return _groups([pattern[i % len(pattern)] for i in range(k)], tag=round_)
+
+
+def test_dynamic_sampling_tops_up_with_informative_groups_and_keeps_the_size():
+    # Round 0: 1 of 4 informative; round 1 (sized by the keep rate 1/4): all informative.
+    draws = _Draws([[[1, 1], [0, 1], [0, 0], [1, 1]], [[0, 1]]])
+    batch, first, stats = dynamic_sample(draws, 4, enabled=True, max_rounds=3)
+    assert draws.calls == [(0, 4), (1, 4)]  # ceil(3 / 0.25) = 12, capped at a full batch of 4
+    assert len(batch) == 4 and batch.rewards_GN.shape == (4, N)
+    assert [p.answer for p in batch.prompts] == ["0.1", "1.0", "1.1", "1.2"]
+    assert torch.all(batch.rewards_GN.amax(1) > batch.rewards_GN.amin(1))
+    assert len(first) == 4 and first.prompts[0].answer == "0.0"
+    assert stats.rounds == 2 and stats.filler_fraction == 0.0 and stats.informative_fraction == 0.25
+    assert stats.generated_groups == 8
+
+
+def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out():
+    draws = _Draws([[[1, 1], [0, 1], [0, 0]], [[1, 1]]])
+    batch, _, stats = dynamic_sample(draws, 3, enabled=True, max_rounds=2)
+    assert [c[0] for c in draws.calls] == [0, 1, 2]
+    assert len(batch) == 3
+    assert [p.answer for p in batch.prompts] == ["0.1", "0.0", "0.2"]  # informative first, then fillers
+    assert math.isclose(stats.filler_fraction, 2 / 3)
+    assert stats.rounds == 3
+
+
+def test_dynamic_sampling_disabled_returns_round_zero_unfiltered():
+    draws = _Draws([[[1, 1], [0, 0]]])
+    batch, first, stats = dynamic_sample(draws, 2, enabled=False, max_rounds=5)
+    assert batch is first and draws.calls == [(0, 2)]
+    assert stats.rounds == 1 and stats.informative_fraction == 0.0
+
+
+def test_dynamic_sampling_drops_surplus_informative_groups():
+    draws = _Draws([[[0, 1]]])
+    batch, _, stats = dynamic_sample(draws, 3, enabled=True, max_rounds=0)
+    assert len(batch) == 3 and stats.rounds == 1 and stats.filler_fraction == 0.0
+
+
+class _FixedEngine:
+    """Returns scripted responses: response i has length lengths[i % len]."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def generate(self, prompts, *, max_new_tokens, temperature, top_p, generator):
+        responses = [[3] * (self.lengths[i % len(self.lengths)] - 1) + [EOS_ID] for i in range(len(prompts))]
+        return RolloutBatch(prompt_ids=prompts, response_ids=responses,
+                            logprobs=[torch.full((len(r),), -1.0) for r in responses],
+                            finish_reasons=["eos"] * len(prompts))
+
+
+def test_overlong_penalty_enters_rewards_but_not_scores():
+    task = get_task("digit_sum", digits=1)
+    cfg = RolloutConfig(max_new_tokens=8, n=4)
+    overlong = OverlongPenalty(enabled=True, buffer=4, penalty=1.0)
+    engine = _FixedEngine([2, 4, 6, 8])  # excess over 8 - 4: 0, 0, 2, 4 -> penalty 0, 0, -0.5, -1
+    gen = torch.Generator().manual_seed(0)
+    groups = generate_groups(engine, task, 2, rollout=cfg, overlong=overlong, prompt_generator=gen,
+                             sample_generator=gen)
+    torch.testing.assert_close(groups.rewards_GN - groups.scores_GN,
+                               torch.tensor([[0.0, 0.0, -0.5, -1.0]] * 2))
+    off = generate_groups(engine, task, 2, rollout=cfg, overlong=OverlongPenalty(enabled=False),
+                          prompt_generator=torch.Generator().manual_seed(0), sample_generator=gen)
+    assert torch.equal(off.rewards_GN, off.scores_GN)
+    assert [p.ids for p in off.prompts] == [p.ids for p in groups.prompts]  # same generator seed, same prompts
+
+
+def test_step_batch_layout_and_invalid_rollout_tokens():
+    groups = _groups([[1.0, 0.0]])
+    groups.prompts[0] = Prompt(ids=[1, 7, 8], answer="x")
+    groups.response_ids = [[4, 5, EOS_ID], [6]]
+    groups.logprobs = [torch.tensor([-0.5, float("nan"), -0.25]), torch.tensor([0.3])]  # NaN and > 0: invalid
+    batch, invalid = build_step_batch(groups, torch.tensor([2.0, -1.0]), pad_multiple=4)
+    assert batch.tokens_BT.shape == (2, 8)  # longest 6, rounded up to 4
+    assert batch.tokens_BT[0].tolist() == [1, 7, 8, 4, 5, EOS_ID, 0, 0]
+    assert batch.targets_BT[0].tolist() == [7, 8, 4, 5, EOS_ID, 0, 0, 0]
+    assert batch.response_mask_BT[0].tolist() == [0, 0, 1, 0, 1, 0, 0, 0]  # NaN token masked
+    assert batch.response_mask_BT[1].tolist() == [0] * 8  # positive log-prob masked
+    assert int(invalid) == 2
+    assert batch.rollout_log_probs_BT[0].tolist() == [0, 0, -0.5, 0, -0.25, 0, 0, 0]
+    assert torch.isfinite(batch.rollout_log_probs_BT).all()
+    assert batch.advantages_BT[0].tolist() == [0, 0, 2, 0, 2, 0, 0, 0]
+    assert batch.tokens_BT.dtype == torch.int64 and batch.response_mask_BT.dtype == torch.float32
+    half = slice_batch(batch, 1, 2)
+    assert half.tokens_BT.shape == (1, 8) and torch.equal(half.tokens_BT[0], batch.tokens_BT[1])
+
+
+def test_derived_seeds_are_stable_and_distinct():
+    assert derive_seed(1234, "prompts", 3, 0, 0) == derive_seed(1234, "prompts", 3, 0, 0)
+    seeds = {derive_seed(1234, kind, step, rank, r) for kind in ("prompts", "samples") for step in range(3)
+             for rank in range(2) for r in range(2)}
+    assert len(seeds) == 24
+    assert derive_seed(1234, "x") == 5800224822184682756  # fixed: resumed runs depend on it
+
+
+@pytest.mark.parametrize("rewards", [[[0.0, 0.0]], [[1.0, 1.0]]])
+def test_all_uninformative_batch_still_has_full_size(rewards):
+    batch, _, stats = dynamic_sample(lambda r, k: _groups(rewards * k), 2, enabled=True, max_rounds=1)
+    assert len(batch) == 2 and stats.filler_fraction == 1.0 and stats.rounds == 2

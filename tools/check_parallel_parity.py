@@ -1,0 +1,248 @@
+#!/usr/bin/env python
+"""Train a tiny fp32 model for N steps under several parallel layouts and compare each with one process.
+
+    python tools/check_parallel_parity.py --layouts tp2,cp2,pp2,dp2,tp2cp2,tp2pp2,cp2pp2,tp2cp2pp2 --steps 3
+        [--mode decoupled|bypass] [--loss ppo|pg] [--agg token-mean|seq-mean-token-sum|seq-mean-token-mean]
+
+A layout name is a sequence of <dim><size> tokens in any order, dim in tp, pp, cp, dp, vpp
+(e.g. "tp2cp2", "pp2tp2dp2", "pp2vpp2"); a missing dim is 1 (vpp: none). Each layout runs as
+`torchrun --nproc_per_node=tp*pp*cp*dp` on the CPU (gloo), the reference as one process; both run
+this script with --worker, train `--steps` optimizer steps of step.train_minibatch on fixed
+synthetic data whose rollout log-probs are the initial model's plus noise (a real, growing
+mismatch), and write per-step loss, grad norm and correction metrics and the final full weights.
+One row per layout; the exit status is 1 if any row exceeds its tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT_TOKEN = re.compile(r"(tp|pp|cp|dp|vpp)(\d+)")
+MODEL = dict(vocab_size=100, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,
+             ffn_hidden_size=48, tie_embeddings=True, add_qkv_bias=True, max_position_embeddings=64)
+SEED, BATCH, SEQ, TEMPERATURE = 11, 8, 13, 0.9
+OPTIM = dict(lr=1e-2, clip_grad=1.0, adam_eps=1e-6, warmup_steps=1, decay_style="linear", min_lr=1e-3)
+TOL = dict(loss=1e-5, grad_norm=1e-4, param=2e-4, metric=1e-4)  # metric: |diff| / max(|ref|, 1)
+
+
+def parse_layout(name: str) -> dict[str, int | None]:
+    """"tp2cp2" -> {"tp": 2, "pp": 1, "cp": 2, "dp": 1, "vpp": None}; ValueError if unparseable."""
+    if not name or LAYOUT_TOKEN.sub("", name) != "":
+        raise ValueError(f"cannot parse layout {name!r}: write <dim><size> tokens with dim in tp, pp, cp, dp, "
+                         "vpp, e.g. tp2, cp2pp2, tp2cp2pp2, pp2vpp2")
+    layout: dict[str, int | None] = {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "vpp": None}
+    seen = set()
+    for dim, size in LAYOUT_TOKEN.findall(name):
+        if dim in seen:
+            raise ValueError(f"layout {name!r} names {dim} twice")
+        if int(size) < 1:
+            raise ValueError(f"layout {name!r}: {dim} must be >= 1")
+        seen.add(dim)
+        layout[dim] = int(size)
+    if layout["vpp"] is not None and layout["pp"] == 1:
+        raise ValueError(f"layout {name!r}: vpp needs pp > 1")
+    return layout
+
+
+def world_size(layout: dict[str, int | None]) -> int:
+    return layout["tp"] * layout["pp"] * layout["cp"] * layout["dp"]
+
+
+# ---- worker (one torchrun process) ----------------------------------------------------------------
+
+def _synthetic_batch(step: int, model_cfg, init_weights) -> dict[str, torch.Tensor]:
+    """Global batch of `step`: prompts + responses, rollout = initial model's log-probs + noise."""
+    from megatron_rlcorr.model import reference_forward
+
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(1, model_cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    mask = torch.zeros(BATCH, SEQ)
+    for i in range(BATCH):
+        prompt, length = 2 + (i + step) % 3, 3 + (5 * i + step) % 8
+        end = min(prompt + length, SEQ - 1)
+        tokens[i, end + 1:] = 0
+        mask[i, prompt:end] = 1
+    targets = torch.cat([tokens[:, 1:], torch.zeros(BATCH, 1, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        logits = reference_forward(init_weights, model_cfg, tokens) / TEMPERATURE
+        model_lp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    rollout = model_lp + 0.2 * torch.randn(BATCH, SEQ, generator=gen)
+    rollout[step % BATCH, 4] -= 12.0  # one vetoed sequence per step
+    rollout = rollout.clamp(max=-1e-3)
+    advantages = torch.randn(BATCH, 1, generator=gen).expand(BATCH, SEQ).contiguous()
+    return dict(tokens_BT=tokens, targets_BT=targets, response_mask_BT=mask, rollout_log_probs_BT=rollout,
+                advantages_BT=advantages)
+
+
+def micro_batch_sizes(layout: dict, args) -> tuple[int, int]:
+    """(micro-batch size of the layout, of its reference run).
+
+    The gradient does not depend on the micro-batch size. Bypass policy gradient corrects per
+    micro-batch round (micro-batch j of every DP rank), so its metrics match one process only
+    when the reference's micro-batches hold the same rows: one micro-batch per DP rank (or, with
+    virtual pipelining, which needs >= pp micro-batches, pp of them and dp = 1).
+    """
+    per_rank = BATCH // layout["dp"]
+    if not (args.loss == "pg" and args.mode == "bypass"):
+        return 2, 2
+    mbs = per_rank // layout["pp"] if layout["vpp"] else per_rank
+    return mbs, mbs * layout["dp"]
+
+
+def _step_config(args, mbs: int):
+    from megatron_rlcorr.config import RolloutCorrectionConfig
+    from megatron_rlcorr.losses import LossConfig
+    from megatron_rlcorr.step import StepConfig
+
+    pg = args.loss == "pg"
+    if args.mode == "decoupled":
+        correction = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=2.0,
+                                             rollout_is_batch_normalize=True, rollout_rs="geometric",
+                                             rollout_rs_threshold=1.1, rollout_token_veto_threshold=1e-4,
+                                             use_policy_gradient=pg)
+    else:
+        correction = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token",
+                                             rollout_rs_threshold=3.0, rollout_token_veto_threshold=1e-4,
+                                             bypass_mode=True, use_policy_gradient=pg)
+    return StepConfig(loss=LossConfig(loss_agg_mode=args.agg, entropy_coeff=0.01), correction=correction,
+                      micro_batch_size=mbs, temperature=TEMPERATURE)
+
+
+def run_worker(args) -> None:
+    import torch.distributed as dist
+
+    from megatron_rlcorr.model import ModelConfig, export_full_weights, init_full_weights
+    from megatron_rlcorr.optimizer import build_model_and_optimizer
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups
+    from megatron_rlcorr.recipe import OptimSettings
+    from megatron_rlcorr.step import StepBatch, compute_old_log_probs, train_minibatch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    enable_cpu_megatron()
+    layout = parse_layout(args.layout)
+    groups = build_parallel_groups(layout["tp"], layout["pp"], layout["cp"], layout["vpp"])
+    model_cfg = ModelConfig(**MODEL)
+    chunks, optimizer, scheduler = build_model_and_optimizer(model_cfg, OptimSettings(**OPTIM), groups, seed=SEED,
+                                                             total_steps=args.steps)
+    init_weights = init_full_weights(model_cfg, SEED)
+    per_rank = BATCH // groups.dp_size
+    rows = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
+    cfg = _step_config(args, args.mbs)
+    history = []
+    for step in range(args.steps):
+        batch = StepBatch(**{k: v[rows] for k, v in _synthetic_batch(step, model_cfg, init_weights).items()})
+        old = None
+        if not cfg.correction.bypass_mode:
+            old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=cfg.micro_batch_size,
+                                        temperature=cfg.temperature)
+        result = train_minibatch(chunks, optimizer, scheduler, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        history.append({k: float(v) for k, v in result.metrics.items()})
+    weights = export_full_weights(chunks, groups)
+    if dist.get_rank() == 0:
+        torch.save({"history": history, "weights": weights}, args.out)
+    dist.destroy_process_group()
+
+
+# ---- driver ---------------------------------------------------------------------------------------
+
+def launch(name: str, layout: dict, args, out: Path, mbs: int) -> str | None:
+    """Run the worker for one layout; None on success, else the tail of its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size(layout)}",
+           str(Path(__file__).resolve()), "--worker", "--layout", name, "--out", str(out), "--steps", str(args.steps),
+           "--mode", args.mode, "--loss", args.loss, "--agg", args.agg, "--mbs", str(mbs)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 or not out.exists():
+        return (proc.stdout + proc.stderr)[-3000:]
+    return None
+
+
+def compare(result: dict, ref: dict) -> dict[str, float]:
+    hist, ref_hist = result["history"], ref["history"]
+    loss = max(abs(h["actor/pg_loss"] - r["actor/pg_loss"]) for h, r in zip(hist, ref_hist))
+    grad_norm = max(abs(h["actor/grad_norm"] - r["actor/grad_norm"]) / max(abs(r["actor/grad_norm"]), 1e-6)
+                    for h, r in zip(hist, ref_hist))
+    param = max(float((result["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
+    metric = 0.0
+    for h, r in zip(hist, ref_hist):
+        for key, value in r.items():
+            if key.startswith("rollout_corr/"):
+                metric = max(metric, abs(h[key] - value) / max(abs(value), 1.0))
+    return dict(loss=loss, grad_norm=grad_norm, param=param, metric=metric)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", default="tp2,cp2,pp2,dp2,tp2cp2,tp2pp2,cp2pp2,tp2cp2pp2")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--mode", choices=["decoupled", "bypass"], default="decoupled")
+    parser.add_argument("--loss", choices=["ppo", "pg"], default="ppo")
+    parser.add_argument("--agg", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"],
+                        default="token-mean")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per layout")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--mbs", type=int, default=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.worker:
+        run_worker(args)
+        return 0
+
+    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    try:
+        layouts = {name: parse_layout(name) for name in names}
+    except ValueError as err:
+        parser.error(str(err))
+    for name, layout in layouts.items():
+        if BATCH % (layout["dp"] * 2):
+            parser.error(f"layout {name}: dp={layout['dp']} must divide the batch of {BATCH} into micro-batches of 2")
+    print(f"mode={args.mode} loss={args.loss} agg={args.agg} steps={args.steps} (fp32, CPU/gloo)")
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        refs: dict[int, dict] = {}
+        header = f"{'layout':<12}{'procs':>6}{'max|loss-ref|':>15}{'grad-norm rel':>15}{'max|param-ref|':>16}" \
+                 f"{'corr-metric diff':>17}  result"
+        print(header)
+        print("-" * len(header))
+        for name, layout in layouts.items():
+            out = Path(tmp) / f"{name}.pt"
+            mbs, ref_mbs = micro_batch_sizes(layout, args)
+            if ref_mbs not in refs:
+                ref_out = Path(tmp) / f"ref_mbs{ref_mbs}.pt"
+                error = launch("tp1", parse_layout("tp1"), args, ref_out, ref_mbs)
+                if error:
+                    print(f"reference run (one process, micro-batch size {ref_mbs}) failed:\n{error}")
+                    return 1
+                refs[ref_mbs] = torch.load(ref_out, weights_only=False)
+            ref = refs[ref_mbs]
+            error = launch(name, layout, args, out, mbs)
+            if error:
+                failed = True
+                print(f"{name:<12}{world_size(layout):>6}  ERROR\n{error}")
+                continue
+            diff = compare(torch.load(out, weights_only=False), ref)
+            ok = all(diff[key] <= TOL[key] for key in TOL)
+            failed |= not ok
+            print(f"{name:<12}{world_size(layout):>6}{diff['loss']:>15.2e}{diff['grad_norm']:>15.2e}"
+                  f"{diff['param']:>16.2e}{diff['metric']:>17.2e}  {'PASS' if ok else 'FAIL'}", flush=True)
+    print(f"tolerances: loss {TOL['loss']:g} abs, grad norm {TOL['grad_norm']:g} rel, params {TOL['param']:g} abs, "
+          f"correction metrics {TOL['metric']:g} rel (|diff| / max(|ref|, 1))")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
