@@ -39,23 +39,24 @@ class Context:
     """
 
     seg: Segments
-    mask: torch.Tensor          # float32 0/1, token layout
-    log_ratio: torch.Tensor     # float32 old - rollout, exactly 0 at masked positions
-    clamped: torch.Tensor       # clamp20(log_ratio)
+    # Token tensors of one block of rows (None in the batch-level context of phases 2 and 3).
+    mask: torch.Tensor | None          # float32 0/1, token layout
+    log_ratio: torch.Tensor | None     # float32 old - rollout, exactly 0 at masked positions
+    clamped: torch.Tensor | None       # clamp20(log_ratio)
+    rollout_log_prob: torch.Tensor | None = None  # the input, garbage at masked positions
+    row_slice: slice = field(default_factory=lambda: slice(None))  # the block's rows in the batch
     rows: Partials = field(default_factory=Partials)
     totals: Partials = field(default_factory=Partials)
+
+    def batch_rows_to_tokens(self, x_row: torch.Tensor) -> torch.Tensor:
+        """Broadcast a per-row tensor of the whole batch to this block's token layout."""
+        return self.seg.to_tokens(x_row[self.row_slice])
 
     @cached_property
     def ratio_tok(self) -> torch.Tensor:
         """rho_t = exp(clamp20(log_ratio)): the token IS weight before truncation and the token RS
         ratio. 1 at masked positions."""
         return self.clamped.exp()
-
-    @cached_property
-    def ratio_minus_one_tok(self) -> torch.Tensor:
-        """rho_t - 1 (0 at masked positions). (exp - 1 rather than expm1: its absolute error,
-        ~eps32, is far below what the metrics built on it need, and expm1 is ~5x slower on CPUs.)"""
-        return self.ratio_tok - 1.0
 
     @cached_property
     def clamped_row_max(self) -> torch.Tensor:
@@ -68,19 +69,31 @@ class Context:
 
     @cached_property
     def _mask_offset(self) -> torch.Tensor:
-        return (1.0 - self.mask) * MASK_OFFSET
+        return torch.rsub(self.mask, MASK_OFFSET, alpha=MASK_OFFSET)  # (1 - mask) * offset, one pass
 
     @cached_property
     def local_n_row(self) -> torch.Tensor:
         """float64 [rows]: valid tokens of each sequence on this rank (before the CP reduction)."""
         return self.seg.row_sum(self.mask)
 
+    @cached_property
+    def _scratch(self) -> torch.Tensor:
+        """A token-sized buffer for values that are reduced at once: fresh multi-MB allocations
+        cost page faults on CPUs, a large share of this memory-bound phase."""
+        return torch.empty_like(self.mask)
+
     def indicator(self, compare: Compare, x_tok: torch.Tensor, threshold: float, *,
-                  zero_masked: bool = False) -> torch.Tensor:
+                  zero_masked: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [x compare threshold] over valid tokens, 0 at masked positions.
         `zero_masked`: the comparison is already false where x_tok holds its masked value."""
-        out = compare(x_tok, threshold, out=torch.empty_like(x_tok, dtype=torch.float32))
+        out = compare(x_tok, threshold, out=torch.empty_like(self.mask) if out is None else out)
         return out if zero_masked else out.mul_(self.mask)
+
+    def row_count(self, compare: Compare, x_tok: torch.Tensor, threshold: float, *,
+                  zero_masked: bool = False) -> torch.Tensor:
+        """float64 [rows] number of valid tokens with x compare threshold."""
+        return self.seg.row_sum(self.indicator(compare, x_tok, threshold, zero_masked=zero_masked,
+                                               out=self._scratch))
 
     def row_sum(self, x_tok: torch.Tensor) -> torch.Tensor:
         """float64 [rows] sum over valid tokens of a tensor that is finite everywhere."""
@@ -91,13 +104,16 @@ class Context:
         the clamped log-ratio with f(0) = 0, or an indicator), saving the masking pass."""
         return self.seg.row_sum(x_tok)
 
-    def row_moments(self, x_tok: torch.Tensor, shift_row: torch.Tensor, *,
-                    second: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def row_moments(self, x_tok: torch.Tensor, shift_row: torch.Tensor, *, second: bool = True,
+                    scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """float64 [rows] sums of x and x^2 over valid tokens, accumulated in float32 around a
         per-row shift (a value within the row's range) and shifted back in float64, so that the
-        variance of nearly equal values does not cancel catastrophically."""
+        variance of nearly equal values does not cancel catastrophically.
+        `scratch`: x_tok is a temporary of the caller's and may be overwritten."""
         shift_row = torch.where(torch.isfinite(shift_row), shift_row, 0.0)
-        d_tok = (x_tok - self.seg.to_tokens(shift_row)).mul_(self.mask)
+        shift_tok = self.seg.to_tokens(shift_row)
+        d_tok = x_tok.sub_(shift_tok) if scratch else torch.sub(x_tok, shift_tok, out=self._scratch)
+        d_tok.mul_(self.mask)
         d_sum = self.seg.row_sum(d_tok)
         n, k = self.local_n_row, shift_row.double()
         x_sum = d_sum + n * k
@@ -107,10 +123,12 @@ class Context:
 
     def row_max(self, x_tok: torch.Tensor) -> torch.Tensor:
         """[rows] max over valid tokens of a finite per-token tensor; -inf for a row with none."""
-        return torch.where(self.local_n_row > 0, self.seg.row_max(x_tok - self._mask_offset), float("-inf"))
+        shifted = torch.sub(x_tok, self._mask_offset, out=self._scratch)
+        return torch.where(self.local_n_row > 0, self.seg.row_max(shifted), float("-inf"))
 
     def row_min(self, x_tok: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.local_n_row > 0, self.seg.row_min(x_tok + self._mask_offset), float("inf"))
+        shifted = torch.add(x_tok, self._mask_offset, out=self._scratch)
+        return torch.where(self.local_n_row > 0, self.seg.row_min(shifted), float("inf"))
 
     # ---- phase 2 views (valid after rows are reduced over CP) ----
     @property

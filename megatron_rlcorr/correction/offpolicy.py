@@ -11,18 +11,16 @@ from .context import LOG_RATIO_BOUND, Context, finite, finite_or_zero, per_count
 
 
 class OffPolicyMetrics:
-    def __init__(self, rollout_log_prob: torch.Tensor) -> None:
-        self.rollout_log_prob = rollout_log_prob
-
     def rows_phase(self, ctx: Context) -> None:
         c = ctx.clamped
         # The old log-prob sum is the rollout sum plus the log-ratio sum: one masked pass saved.
-        ctx.rows.add_sum("offpolicy/rollout", ctx.row_sum(finite(self.rollout_log_prob.float())))
+        rollout = finite(ctx.rollout_log_prob.float()).mul_(ctx.mask)
+        ctx.rows.add_sum("offpolicy/rollout", ctx.row_sum_zero_masked(rollout))
         # expm1 keeps k3 = rho - 1 - c accurate where it is tiny (c ~ 1e-3 gives k3 ~ 5e-7).
-        ctx.rows.add_sum("offpolicy/k3", ctx.row_sum_zero_masked(torch.expm1(c) - c))
-        # rho^2 - 1 = (rho - 1)(rho + 1), zero at masked positions.
-        rho2_minus_one = ctx.ratio_minus_one_tok * (ctx.ratio_tok + 1.0)
-        ctx.rows.add_sum("offpolicy/rho2_minus_one", ctx.row_sum_zero_masked(rho2_minus_one))
+        ctx.rows.add_sum("offpolicy/k3", ctx.row_sum_zero_masked(torch.expm1(c).sub_(c)))
+        # rho^2 - 1, zero at masked positions (rho carries exp's rounding either way).
+        rho = ctx.ratio_tok
+        ctx.rows.add_sum("offpolicy/rho2_minus_one", ctx.row_sum_zero_masked((rho * rho).sub_(1.0)))
 
     def batch_phase(self, ctx: Context) -> None:
         rows, totals, n = ctx.rows, ctx.totals, ctx.n_row.clamp(min=1)

@@ -36,15 +36,13 @@ class RatioMetrics:
         # to 1, all tiny, or all clamped to one bound) do not cancel in float32.
         v_shift = ctx.clamped_row_max.exp()
         v_sum, _ = ctx.row_moments(v, v_shift, second=False)
-        w_sum, w2_sum = ctx.row_moments(v.clamp(self.lo, self.hi), v_shift.clamp(self.lo, self.hi))
+        w_sum, w2_sum = ctx.row_moments(v.clamp(self.lo, self.hi), v_shift.clamp(self.lo, self.hi), scratch=True)
         rows.add_sum(key("v"), v_sum)
         rows.add_sum(key("w"), w_sum)
         rows.add_sum(key("w2"), w2_sum)
         # v = 1 at masked positions: only a bound on the wrong side of 1 needs the mask.
-        high = ctx.indicator(torch.gt, v, self.hi, zero_masked=self.hi >= 1.0)
-        low = ctx.indicator(torch.lt, v, self.lo, zero_masked=self.lo <= 1.0)
-        rows.add_sum(key("hi"), ctx.row_sum_zero_masked(high))
-        rows.add_sum(key("lo"), ctx.row_sum_zero_masked(low))
+        rows.add_sum(key("hi"), ctx.row_count(torch.gt, v, self.hi, zero_masked=self.hi >= 1.0))
+        rows.add_sum(key("lo"), ctx.row_count(torch.lt, v, self.lo, zero_masked=self.lo <= 1.0))
         # exp is monotone: the extremes of v are exp of the extremes of c.
         rows.add_max(key("max_log"), ctx.clamped_row_max)
         rows.add_min(key("min_log"), ctx.clamped_row_min)

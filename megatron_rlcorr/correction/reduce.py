@@ -36,6 +36,16 @@ class Partials:
     def min(self, name: str) -> torch.Tensor:
         return -self._maxes[name]
 
+    @staticmethod
+    def concat_rows(parts: list["Partials"]) -> "Partials":
+        """Per-row partials of consecutive row blocks, joined in row order."""
+        if len(parts) == 1:
+            return parts[0]
+        out = Partials()
+        out._sums = {name: torch.cat([p._sums[name] for p in parts]) for name in parts[0]._sums}
+        out._maxes = {name: torch.cat([p._maxes[name] for p in parts]) for name in parts[0]._maxes}
+        return out
+
     def all_reduce(self, group: dist.ProcessGroup | None) -> "Partials":
         """Reduce in place over `group` (no-op for None or a group of one) and return self."""
         if group is None or dist.get_world_size(group) == 1:

@@ -83,12 +83,7 @@ class Rejection:
         self.divergence = [DivergenceMetrics(d) for d in self.decisions if d.rule.estimator != "ratio"]
 
     def rows_phase(self, ctx: Context) -> None:
-        keep_tok = ctx.mask
-        for decision in self.token_rules:
-            decision.keep_tok = decision.keep_tokens(ctx)
-            keep_tok = keep_tok * decision.keep_tok
-        self.keep_tok = keep_tok  # float32, 0 at masked positions
-        ctx.rows.add_sum("rs/kept", ctx.row_sum_zero_masked(keep_tok))
+        ctx.rows.add_sum("rs/kept", ctx.row_sum_zero_masked(self._keep_tokens(ctx, remember=True)))
         for decision in self.row_rules:
             if decision.rule.estimator != "ratio":
                 stat = divergence_tok(decision.rule.estimator, ctx.clamped)
@@ -126,9 +121,19 @@ class Rejection:
             out.update(family.metrics(ctx))
         return out
 
+    def _keep_tokens(self, ctx: Context, remember: bool = False) -> torch.Tensor:
+        """float32 token layout: kept by every token rule (0 at masked positions)."""
+        keep_tok = ctx.mask
+        for decision in self.token_rules:
+            keep_rule = decision.keep_tokens(ctx)
+            if remember:  # this block's divergence metrics count the rule's rejections
+                decision.keep_tok = keep_rule
+            keep_tok = keep_tok * keep_rule
+        return keep_tok
+
     def keep(self, ctx: Context) -> torch.Tensor:
-        """float32 token layout: 1 = kept by every rule (0 at masked positions)."""
-        return self.keep_tok * ctx.seg.to_tokens(self.keep_row.float())
+        """float32 token layout of a block: 1 = kept by every rule (0 at masked positions)."""
+        return self._keep_tokens(ctx) * ctx.batch_rows_to_tokens(self.keep_row.float())
 
 
 class DivergenceMetrics:
@@ -239,8 +244,8 @@ class Veto:
     def rows_phase(self, ctx: Context) -> None:
         if self.log_threshold is not None:
             # The masked log-ratio is 0: only a threshold above 1 needs the mask.
-            vetoed = ctx.indicator(torch.lt, ctx.log_ratio, self.log_threshold, zero_masked=self.log_threshold <= 0)
-            ctx.rows.add_sum("veto/tokens", ctx.row_sum_zero_masked(vetoed))
+            vetoed = ctx.row_count(torch.lt, ctx.log_ratio, self.log_threshold, zero_masked=self.log_threshold <= 0)
+            ctx.rows.add_sum("veto/tokens", vetoed)
 
     def batch_phase(self, ctx: Context) -> None:
         if self.log_threshold is None:

@@ -53,8 +53,8 @@ class ImportanceWeights:
         if self.level == "token":
             w = self._truncate(ctx.ratio_tok)
         else:
-            w = ctx.seg.to_tokens(self.weight_row)
-        w = w * ctx.mask
+            w = ctx.batch_rows_to_tokens(self.weight_row)
+        w = w * ctx.mask  # a new tensor: the in-place division below is safe
         if self.norm_factor is not None:
-            w = w / self.norm_factor.float()
+            w.div_(self.norm_factor.float())
         return w.detach()
