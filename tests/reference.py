@@ -19,10 +19,24 @@ Also here: random batch generators and layout converters shared by the correctio
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
+
+# The reference implementation's inputs and outputs, shipped beside the repository (../shared).
+GOLDEN = Path(os.environ.get("RLCORR_GOLDEN", Path(__file__).resolve().parents[2] / "shared" / "golden"
+                                                 / "verl_seed_public.pt"))
+
+
+def golden_cases() -> list[dict]:
+    """The golden cases, or [] when the file is not there (the tests that need it then skip)."""
+    if not GOLDEN.is_file():
+        return []
+    return torch.load(GOLDEN, weights_only=False)
+
 
 CLAMP = 20.0
 PREFIX = "rollout_corr/"

@@ -7,8 +7,11 @@ and loss math. Every parallel run builds the same seeded fp32 model, trains one 
 scenario and returns its loss, correction metrics, full gradients (neutral names) and full
 weights after the Adam step. Scenarios cover decoupled and bypass mode, PPO and policy
 gradient, and the three loss aggregations; the data has a real rollout mismatch (model
-log-probs + noise) and two sequences with a catastrophic token (vetoed: with micro-batch size 2
-the first micro-batch is rejected entirely).
+log-probs + noise) and two sequences (rows 0, 1) whose rollout log-prob of one token is 12 below
+the model's (ratio e^12: rejected by the RS rules that bound it; with micro-batch size 2 the first
+micro-batch is rejected entirely). The bypass PPO veto scenarios add two rows (2, 6) with a token
+the engine gave probability ~1 but the model ~1/100: ratio ~0.01 < the veto threshold 0.05, so the
+veto rejects them (pi_theta vs pi_rollout; with pi_old := pi_rollout it could never fire).
 """
 import importlib.util
 
@@ -46,18 +49,28 @@ SCENARIOS = {
         correction=dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token", rollout_rs_threshold=1.6,
                         rollout_token_veto_threshold=1e-4, bypass_mode=True, use_policy_gradient=True),
         loss=dict(loss_agg_mode="seq-mean-token-mean")),
+    # Bypass PPO with token RS and a veto that fires on rows 2 and 6 (pi_theta vs pi_rollout).
+    "byp_ppo_veto": dict(
+        correction=dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token", rollout_rs_threshold=1.6,
+                        rollout_token_veto_threshold=0.05, bypass_mode=True),
+        loss=dict(loss_type="ppo_clip", loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01)),
+    # The same with other advantages on the vetoed rows: the gradient must not change.
+    "byp_ppo_veto_adv": None,
     "all_rejected": dict(
         correction=dict(rollout_is="token", rollout_token_veto_threshold=0.5),
         loss=dict(loss_type="ppo_clip", loss_agg_mode="token-mean")),
 }
+SCENARIOS["byp_ppo_veto_adv"] = SCENARIOS["byp_ppo_veto"]
+VETOED_ROWS, VETOED_POS = (2, 6), 6  # both in the response; under cp2 position 6 lies on CP rank 1 only
+NONEMPTY_ROWS = 7  # row 5 is empty
 
 # (tp, pp, cp, world) -> [(scenario, micro_batch_size)]; bypass policy gradient corrects per
 # micro-batch, so its metrics match the reference only with one micro-batch per DP rank.
 LAYOUTS = {
     "tp2": ((2, 1, 1, 2), [("dec_ppo_tok", 2), ("byp_pg_stm", 8)]),
-    "cp2": ((1, 1, 2, 2), [("dec_ppo_tok", 4), ("byp_ppo_sts", 2)]),
-    "pp2": ((1, 2, 1, 2), [("dec_pg_stm", 2), ("byp_ppo_sts", 4), ("all_rejected", 2)]),
-    "dp2": ((1, 1, 1, 2), [("byp_pg_stm", 4), ("dec_pg_stm", 2)]),
+    "cp2": ((1, 1, 2, 2), [("dec_ppo_tok", 4), ("byp_ppo_sts", 2), ("byp_ppo_veto", 2)]),
+    "pp2": ((1, 2, 1, 2), [("dec_pg_stm", 2), ("byp_ppo_sts", 4), ("all_rejected", 2), ("byp_ppo_veto", 1)]),
+    "dp2": ((1, 1, 1, 2), [("byp_pg_stm", 4), ("dec_pg_stm", 2), ("byp_ppo_veto_adv", 2)]),
     "tp2cp2": ((2, 1, 2, 4), [("dec_pg_stm", 2), ("byp_pg_stm", 8)]),
     "tp2pp2": ((2, 2, 1, 4), [("dec_ppo_tok", 2), ("byp_pg_stm", 8)]),
     "cp2pp2": ((1, 2, 2, 4), [("byp_ppo_sts", 2), ("dec_ppo_tok", 4)]),
@@ -89,8 +102,13 @@ def _make_batch(weights, cfg, scenario):
     rollout[1, 5] -= 12.0
     if scenario == "all_rejected":
         rollout = rollout + 5.0  # far above the model: every sequence is vetoed
+    if scenario.startswith("byp_ppo_veto"):
+        for row in VETOED_ROWS:  # the engine was sure (prob ~1), the model is not (~1/100): vetoed
+            rollout[row, VETOED_POS] = 0.0
     rollout = torch.where(mask > 0, rollout.clamp(max=-1e-3), torch.nan)  # garbage where masked
     advantages = torch.randn(BATCH, 1, generator=gen).expand(BATCH, SEQ).contiguous()
+    if scenario == "byp_ppo_veto_adv":
+        advantages[list(VETOED_ROWS)] = torch.tensor([[25.0], [-40.0]])
     return dict(tokens_BT=tokens, targets_BT=targets, response_mask_BT=mask, rollout_log_probs_BT=rollout,
                 advantages_BT=advantages)
 
@@ -121,12 +139,17 @@ def _torch_step(cfg, weights, data, step_cfg):
     corr_cfg, loss_cfg = step_cfg.correction, step_cfg.loss
     if step_cfg.use_policy_gradient:
         loss_cfg = dataclasses.replace(loss_cfg, loss_type="policy_gradient")
+    # The correction always compares the current policy (detached; equal to pi_old before the
+    # update) with the rollout. Bypass: pi_old := pi_rollout in the loss, normalisers before
+    # rejection, and PPO takes no IS weights (its ratio pi_theta / pi_rollout is the weight).
     old = rollout if corr_cfg.bypass_mode else log_prob.detach()
-    in_loss = corr_cfg.bypass_mode and step_cfg.use_policy_gradient
-    corr = compute_rollout_correction(log_prob.detach() if in_loss else old, rollout, mask, corr_cfg)
-    normalizer = global_loss_normalizers([mask if in_loss else corr.response_mask], loss_cfg.loss_agg_mode)[0]
+    corr = compute_rollout_correction(log_prob.detach(), rollout, mask, corr_cfg)
+    normalizer = global_loss_normalizers([mask if corr_cfg.bypass_mode else corr.response_mask],
+                                         loss_cfg.loss_agg_mode)[0]
+    bypass_ppo = corr_cfg.bypass_mode and not step_cfg.use_policy_gradient
     out = policy_loss(log_prob, old, data["advantages_BT"], corr.response_mask, loss_cfg, normalizer=normalizer,
-                      is_weights=corr.is_weights, entropy=entropy if loss_cfg.entropy_coeff else None)
+                      is_weights=None if bypass_ppo else corr.is_weights,
+                      entropy=entropy if loss_cfg.entropy_coeff else None)
     out.loss.backward()
     grads = {k: v.grad.clone() for k, v in leaves.items()}
     grad_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).float()
@@ -135,7 +158,7 @@ def _torch_step(cfg, weights, data, step_cfg):
     after = {k: v.detach() for k, v in leaves.items()}
     grads["lm_head.weight"], after["lm_head.weight"] = grads["embed.weight"], after["embed.weight"]
     return dict(loss=out.loss.detach(), metrics=corr.metrics, grads=grads, grad_norm=grad_norm, after=after,
-                old=log_prob.detach())
+                old=log_prob.detach(), mask=corr.response_mask)
 
 
 # ---- the Megatron worker ----------------------------------------------------------------------
@@ -236,7 +259,8 @@ def _check_old_log_probs(results, ref, scenario, dp_size):
 def test_single_process_micro_batch_size_independent(references):
     """mbs 1, 4 and 8 on one process give the reference's gradient (every scenario but bypass
     policy gradient, whose per-micro-batch correction metrics differ by design)."""
-    runs = [("dec_ppo_tok", 1), ("dec_ppo_tok", 4), ("dec_pg_stm", 4), ("byp_ppo_sts", 1), ("byp_pg_stm", 8)]
+    runs = [("dec_ppo_tok", 1), ("dec_ppo_tok", 4), ("dec_pg_stm", 4), ("byp_ppo_sts", 1), ("byp_pg_stm", 8),
+            ("byp_ppo_veto", 4)]
     results = run_distributed(_train_worker, 1, 1, 1, 1, runs, references["batches"])[0]
     for (scenario, mbs), result in zip(runs, results):
         _assert_matches(result, references["refs"][scenario], f"1 process {scenario} mbs={mbs}")
@@ -257,6 +281,47 @@ def test_layout_matches_single_process(layout, references):
         _check_old_log_probs(results, references, scenario, dp_size)
         if scenario == "all_rejected":
             _assert_all_rejected(results, references["weights"])
+        if scenario == "byp_ppo_veto_adv":  # other advantages on the vetoed rows: byp_ppo_veto's gradient
+            for rank, result in enumerate(results):
+                _assert_matches(result, references["refs"]["byp_ppo_veto"], f"{layout} rank {rank} vetoed rows")
+
+
+def test_bypass_ppo_veto_reference(references):
+    """Bypass PPO: the veto fires on pi_theta vs pi_rollout (rows 2 and 6, with pi_old := pi_rollout
+    it never could), the vetoed rows leave the loss and contribute exactly zero gradient, token
+    RS removes the tokens whose ratio leaves [1/1.6, 1.6], and the loss takes no IS weights."""
+    import dataclasses
+
+    from megatron_rlcorr.model import ModelConfig
+
+    refs, batches = references["refs"], references["batches"]
+    ref, ref_adv = refs["byp_ppo_veto"], refs["byp_ppo_veto_adv"]
+    metrics = ref["metrics"]
+    torch.testing.assert_close(metrics["rollout_corr/rollout_is_veto_fraction"],
+                               torch.tensor(len(VETOED_ROWS) / NONEMPTY_ROWS))
+    assert float(metrics["rollout_corr/rollout_is_catastrophic_token_fraction"]) > 0
+    assert 0 < float(metrics["rollout_corr/rollout_rs_masked_fraction"]) < 1
+    assert float(metrics["rollout_corr/rollout_is_ratio_fraction_high"]) > 0  # IS metrics still reported
+    mask = ref["mask"]
+    assert float(mask[list(VETOED_ROWS)].abs().sum()) == 0.0
+    assert float(mask.sum()) > 0
+    # Other advantages on the vetoed rows: bit-identical loss and gradient.
+    assert torch.equal(ref["loss"], ref_adv["loss"])
+    for name, grad in ref["grads"].items():
+        assert torch.equal(grad, ref_adv["grads"][name]), name
+    # Control: without the veto the same change of advantages does change the gradient.
+    cfg = ModelConfig(**CFG)
+    no_veto = _step_config("byp_ppo_veto", BATCH)
+    no_veto = dataclasses.replace(no_veto, correction=dataclasses.replace(
+        no_veto.correction, rollout_token_veto_threshold=None))
+    a = _torch_step(cfg, references["weights"], batches["byp_ppo_veto"], no_veto)
+    b = _torch_step(cfg, references["weights"], batches["byp_ppo_veto_adv"], no_veto)
+    assert float((a["grads"]["embed.weight"] - b["grads"]["embed.weight"]).abs().max()) > 1e-4
+    # No IS weights in the PPO loss: with a larger IS threshold the loss and gradient are unchanged.
+    wider = _step_config("byp_ppo_veto", BATCH)
+    wider = dataclasses.replace(wider, correction=dataclasses.replace(wider.correction, rollout_is_threshold=50.0))
+    c = _torch_step(cfg, references["weights"], batches["byp_ppo_veto"], wider)
+    assert torch.equal(c["loss"], ref["loss"])
 
 
 def _assert_all_rejected(results, weights):

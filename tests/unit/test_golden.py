@@ -8,19 +8,9 @@ import torch
 
 from megatron_rlcorr.config import RolloutCorrectionConfig
 from megatron_rlcorr.correction import compute_rollout_correction
-from tests.reference import compare_metrics, parse_config
+from tests.reference import GOLDEN, compare_metrics, golden_cases, parse_config
 
-GOLDEN = "/work/shared/golden/verl_seed_public.pt"
-
-
-def _cases():
-    try:
-        return torch.load(GOLDEN, weights_only=False)
-    except FileNotFoundError:
-        return []
-
-
-CASES = _cases()
+CASES = golden_cases()
 
 
 def _ids():

@@ -5,19 +5,9 @@ If this fails, the reference -- not the implementation -- misreads the SPEC.
 import pytest
 import torch
 
-from tests.reference import compare_metrics, parse_config, reference_correction
+from tests.reference import GOLDEN, compare_metrics, golden_cases, parse_config, reference_correction
 
-GOLDEN = "/work/shared/golden/verl_seed_public.pt"
-
-
-def _cases():
-    try:
-        return torch.load(GOLDEN, weights_only=False)
-    except FileNotFoundError:
-        return []
-
-
-CASES = _cases()
+CASES = golden_cases()
 
 
 @pytest.mark.skipif(not CASES, reason=f"{GOLDEN} not present")
