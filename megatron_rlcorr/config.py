@@ -346,10 +346,10 @@ def _validate(v: dict[str, Any]) -> dict[str, Any]:
     if out["rollout_is_batch_normalize"] and v["rollout_is"] is None:
         warnings.warn("rollout_is_batch_normalize has no effect with rollout_is=null (there are no weights)",
                       UserWarning, stacklevel=4)
-    if isinstance(v["rollout_rs"], list):
+    if isinstance(v["rollout_rs"], (list, tuple)):
         out["rollout_rs"] = tuple(v["rollout_rs"])
     threshold = v["rollout_rs_threshold"]
-    if isinstance(threshold, list):
+    if isinstance(threshold, (list, tuple)):  # a tuple is how a config stores a list (replace() passes it back)
         out["rollout_rs_threshold"] = tuple(threshold)
     elif threshold is not None and not (isinstance(threshold, str) and ("," in threshold or "_" in threshold)):
         out["rollout_rs_threshold"] = _as_positive(threshold, "rollout_rs_threshold")

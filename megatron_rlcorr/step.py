@@ -9,8 +9,8 @@ Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
    mini-batch, reducing per-sequence statistics over the CP group and batch statistics over the
    DP group; its mask (rejection sampling, veto) becomes the loss mask. Then the loss normalisers
    of all micro-batches (global over micro-batches, CP and DP ranks).
-   Bypass policy-gradient mode instead corrects inside each micro-batch's loss, from the current
-   policy's (detached) log-probs against the rollout's.
+   Bypass mode (PPO and policy gradient) instead corrects inside each micro-batch's loss, from
+   the current policy's (detached) log-probs against the rollout's.
 3. Megatron-Core's pipeline schedule runs forward/backward over the micro-batches (p2p over the
    PP group); each loss is this micro-batch's share of the global loss, times the factor that
    undoes the schedule's and DDP's averaging (optimizer.loss_scale_for_schedule), so the gradient
@@ -21,12 +21,21 @@ Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
 
 Modes (RolloutCorrectionConfig): decoupled (bypass_mode False): pi_old comes from
 `compute_old_log_probs` before the update, IS/RS from pi_old vs pi_rollout, PPO ratio against
-pi_old. Bypass PPO: pi_old := pi_rollout, the PPO ratio pi_theta / pi_rollout does the
-importance sampling (the correction then only gives metrics, its weights are 1). Bypass policy
-gradient: REINFORCE weighted by IS weights pi_theta / pi_rollout (detached) and masked by RS/veto
-computed in the loss; its loss normalisers count response tokens before rejection (the mask
-depends on pi_theta, known only during the forward pass), and its correction metrics are the
-mean over micro-batches of per-micro-batch (DP-global) values.
+pi_old. Bypass (pi_old := pi_rollout, no old-log-prob pass): the correction compares pi_theta
+(detached: the log-probs of the forward pass, before this mini-batch's update) with pi_rollout
+inside each micro-batch's loss; comparing pi_old := pi_rollout with itself would give a log-ratio
+of 0, IS weights 1, and RS and the veto could never fire. The RS/veto mask is the loss mask and,
+as it depends on pi_theta (known only during the forward pass), the loss normalisers count
+response tokens BEFORE rejection (a rejected token leaves the numerator only).
+- Bypass PPO: the PPO ratio pi_theta / pi_rollout already is the importance weight and the PPO
+  clip truncates it, so the loss is NOT multiplied by IS weights; `rollout_is` / its threshold
+  only select the reported `rollout_is_*` metrics. The in-loss call computes only the mask (CP
+  reduced, no DP collective); the `rollout_corr/*` metrics come from one more correction call
+  after the schedule on the whole shard's pi_theta (CP x DP reduced), so they equal the
+  single-process full-batch values for any micro-batch size.
+- Bypass policy gradient: REINFORCE weighted by the IS weights pi_theta / pi_rollout (detached,
+  batch-normalised per micro-batch round) on the RS/veto mask; its correction metrics are the
+  mean over micro-batches of per-micro-batch (DP-global) values.
 """
 from __future__ import annotations
 
@@ -155,6 +164,13 @@ def _group_or_none(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup | N
     return group if size > 1 else None
 
 
+def _mask_only(correction: RolloutCorrectionConfig) -> RolloutCorrectionConfig:
+    """The same rejection rules and veto without IS weights: what bypass PPO's loss needs."""
+    # Through to_dict: it gives list-valued RS options/thresholds back in the form __init__ accepts.
+    return RolloutCorrectionConfig(**{**correction.to_dict(), "rollout_is": None,
+                                      "rollout_is_batch_normalize": False})
+
+
 # ---- running the pipeline schedule ---------------------------------------------------------
 
 def _run_schedule(model_chunks: list[Any], shard: _Shard, loss_fn, *, groups: ParallelGroups,
@@ -271,7 +287,10 @@ def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBa
     mbs = cfg.micro_batch_size
     num_microbatches = _num_microbatches(shard.tokens.shape[0], mbs)
     is_last = groups.is_pipeline_last_stage()
-    correct_in_loss = cfg.correction.bypass_mode and cfg.use_policy_gradient
+    correct_in_loss = cfg.correction.bypass_mode  # bypass PPO and bypass policy gradient
+    bypass_ppo = correct_in_loss and not cfg.use_policy_gradient
+    # Bypass PPO's loss needs only the RS/veto mask (no IS weights: the PPO ratio is the weight).
+    mask_only = _mask_only(cfg.correction) if bypass_ppo else None
     loss_cfg = dataclasses.replace(cfg.loss, loss_type="policy_gradient") if cfg.use_policy_gradient else cfg.loss
     inputs = (_prepare_loss_inputs(shard, old_log_probs, cfg, groups, num_microbatches, correct_in_loss)
               if is_last else None)
@@ -280,13 +299,19 @@ def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBa
     scale = loss_scale_for_schedule(num_microbatches, groups)
     compute_entropy = cfg.loss.entropy_coeff != 0.0
     losses, partials, corr_metrics = [], [], []
+    theta_log_probs: list[torch.Tensor | None] = [None] * num_microbatches  # bypass PPO: detached pi_theta
 
     def loss_fn(mb, logits):
         rows = shard.rows(mb, mbs)
         log_prob, entropy = token_logprobs_and_entropy(logits, shard.targets[rows], tp_group=groups.tp,
                                                        temperature=cfg.temperature, compute_entropy=compute_entropy)
         loss_mask, is_weights = inputs.loss_mask[rows], None if inputs.is_weights is None else inputs.is_weights[rows]
-        if correct_in_loss:
+        if bypass_ppo:
+            # RS + veto from pi_theta vs pi_rollout; per-sequence decisions need only the CP group.
+            theta_log_probs[mb] = log_prob.detach()
+            loss_mask = compute_rollout_correction(theta_log_probs[mb], shard.rollout[rows], loss_mask, mask_only,
+                                                   cp_group=cp_group, check_inputs=False).response_mask
+        elif correct_in_loss:
             corr = compute_rollout_correction(log_prob.detach(), shard.rollout[rows], loss_mask, cfg.correction,
                                               cp_group=cp_group, dp_group=dp_group, check_inputs=False)
             loss_mask, is_weights = corr.response_mask, corr.is_weights
@@ -308,6 +333,12 @@ def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBa
         scheduler.step(increment=1)
 
     metrics = {}
+    if is_last and bypass_ppo:
+        # The whole shard's pi_theta at once: metrics (and the mask, equal to the loss's) as one
+        # process on the full batch would compute them, whatever the micro-batch size.
+        corr_metrics = [compute_rollout_correction(torch.cat(theta_log_probs), shard.rollout, shard.mask,
+                                                   cfg.correction, cp_group=cp_group, dp_group=dp_group,
+                                                   check_inputs=False).metrics]
     if is_last:
         metrics = _last_stage_metrics(losses, partials, corr_metrics or [inputs.correction_metrics], groups,
                                       cp_group, dp_group)

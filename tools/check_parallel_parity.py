@@ -10,7 +10,14 @@ A layout name is a sequence of <dim><size> tokens in any order, dim in tp, pp, c
 this script with --worker, train `--steps` optimizer steps of step.train_minibatch on fixed
 synthetic data whose rollout log-probs are the initial model's plus noise (a real, growing
 mismatch), and write per-step loss, grad norm and correction metrics and the final full weights.
-One row per layout; the exit status is 1 if any row exceeds its tolerance.
+One row per layout; the exit status is 1 if any row exceeds its tolerance. After the table, the
+reference's veto and RS rejection fractions per step show what the correction rejected.
+
+`--mode bypass --loss ppo` corrects pi_theta vs pi_rollout in the loss (RS and veto on the loss
+mask, no IS weights: the PPO ratio is the weight). Its data add one sequence per step with a token
+the engine gave probability ~1 while the model gives ~1/100, and its veto threshold is 0.05, so
+the veto rejects that sequence (ratio ~0.01); the other modes keep their data and veto threshold
+1e-4, so the tables measured for them in docs/parallel.md stay valid.
 """
 from __future__ import annotations
 
@@ -58,8 +65,17 @@ def world_size(layout: dict[str, int | None]) -> int:
 
 # ---- worker (one torchrun process) ----------------------------------------------------------------
 
-def _synthetic_batch(step: int, model_cfg, init_weights) -> dict[str, torch.Tensor]:
-    """Global batch of `step`: prompts + responses, rollout = initial model's log-probs + noise."""
+def _bypass_ppo(args) -> bool:
+    return args.mode == "bypass" and args.loss == "ppo"
+
+
+def _synthetic_batch(step: int, model_cfg, init_weights, overconfident: bool = False) -> dict[str, torch.Tensor]:
+    """Global batch of `step`: prompts + responses, rollout = initial model's log-probs + noise.
+
+    Row `step % BATCH` gets a token 12 nats below the model (ratio e^12, RS rejects it). With
+    `overconfident`, row `(step + 3) % BATCH` gets a token with rollout log-prob ~0 (ratio ~1/100:
+    a veto threshold above ~0.01 rejects the sequence). Position 4 is in every row's response.
+    """
     from megatron_rlcorr.model import reference_forward
 
     gen = torch.Generator().manual_seed(1000 + step)
@@ -75,7 +91,9 @@ def _synthetic_batch(step: int, model_cfg, init_weights) -> dict[str, torch.Tens
         logits = reference_forward(init_weights, model_cfg, tokens) / TEMPERATURE
         model_lp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     rollout = model_lp + 0.2 * torch.randn(BATCH, SEQ, generator=gen)
-    rollout[step % BATCH, 4] -= 12.0  # one vetoed sequence per step
+    rollout[step % BATCH, 4] -= 12.0  # one sequence per step with a catastrophic (e^12) ratio
+    if overconfident:
+        rollout[(step + 3) % BATCH, 4] = 0.0  # the engine was sure, the model is not: vetoed
     rollout = rollout.clamp(max=-1e-3)
     advantages = torch.randn(BATCH, 1, generator=gen).expand(BATCH, SEQ).contiguous()
     return dict(tokens_BT=tokens, targets_BT=targets, response_mask_BT=mask, rollout_log_probs_BT=rollout,
@@ -110,7 +128,8 @@ def _step_config(args, mbs: int):
                                              use_policy_gradient=pg)
     else:
         correction = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token",
-                                             rollout_rs_threshold=3.0, rollout_token_veto_threshold=1e-4,
+                                             rollout_rs_threshold=3.0,
+                                             rollout_token_veto_threshold=0.05 if _bypass_ppo(args) else 1e-4,
                                              bypass_mode=True, use_policy_gradient=pg)
     return StepConfig(loss=LossConfig(loss_agg_mode=args.agg, entropy_coeff=0.01), correction=correction,
                       micro_batch_size=mbs, temperature=TEMPERATURE)
@@ -140,7 +159,8 @@ def run_worker(args) -> None:
     cfg = _step_config(args, args.mbs)
     history = []
     for step in range(args.steps):
-        batch = StepBatch(**{k: v[rows] for k, v in _synthetic_batch(step, model_cfg, init_weights).items()})
+        data = _synthetic_batch(step, model_cfg, init_weights, overconfident=_bypass_ppo(args))
+        batch = StepBatch(**{k: v[rows] for k, v in data.items()})
         old = None
         if not cfg.correction.bypass_mode:
             old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=cfg.micro_batch_size,
@@ -239,6 +259,13 @@ def main(argv=None) -> int:
             failed |= not ok
             print(f"{name:<12}{world_size(layout):>6}{diff['loss']:>15.2e}{diff['grad_norm']:>15.2e}"
                   f"{diff['param']:>16.2e}{diff['metric']:>17.2e}  {'PASS' if ok else 'FAIL'}", flush=True)
+    for ref_mbs, ref in sorted(refs.items()):
+        fractions = {name: " ".join(f"{h.get(f'rollout_corr/{name}', float('nan')):.3f}" for h in ref["history"])
+                     for name in ("rollout_is_veto_fraction", "rollout_rs_seq_masked_fraction",
+                                  "rollout_rs_masked_fraction")}
+        print(f"reference (1 process, micro-batch size {ref_mbs}) per step: veto fraction (sequences) "
+              f"{fractions['rollout_is_veto_fraction']}; RS rejected sequences "
+              f"{fractions['rollout_rs_seq_masked_fraction']}, tokens {fractions['rollout_rs_masked_fraction']}")
     print(f"tolerances: loss {TOL['loss']:g} abs, grad norm {TOL['grad_norm']:g} rel, params {TOL['param']:g} abs, "
           f"correction metrics {TOL['metric']:g} rel (|diff| / max(|ref|, 1))")
     return 1 if failed else 0

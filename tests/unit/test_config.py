@@ -295,3 +295,11 @@ VALID = [
 @pytest.mark.parametrize("kwargs", VALID, ids=[str(k) for k in VALID])
 def test_valid_combinations(kwargs):
     RolloutCorrectionConfig(**kwargs)
+
+
+def test_replace_keeps_per_option_lists():
+    cfg = RolloutCorrectionConfig(rollout_rs=["token_k1", "seq_max_k3"], rollout_rs_threshold=[1.5, 0.2])
+    copy = dataclasses.replace(cfg, rollout_is="token")
+    assert copy.rollout_rs == ("token_k1", "seq_max_k3") and copy.rollout_rs_threshold == (1.5, 0.2)
+    assert copy.rejection_rules == cfg.rejection_rules
+    assert copy.rollout_is == "token"
