@@ -158,15 +158,23 @@ def _sync(device):
 
 
 def time_ms(fn, device, repeats: int) -> float:
-    fn()
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return time_side_by_side([fn], device, repeats)[0]
+
+
+def time_side_by_side(fns, device, repeats: int) -> list[float]:
+    """Median ms of each function, their runs interleaved so that both see the same machine
+    (a shared CPU's speed drifts from one second to the next)."""
+    for fn in fns:
         fn()
-        _sync(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    _sync(device)
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            out.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(s) for s in samples]
 
 
 def copy_bandwidth_bytes_per_ms(device, numel: int = 1 << 26) -> float:
@@ -195,7 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="262144,1048576,4194304")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     device = torch.device(args.device)
     bandwidth = copy_bandwidth_bytes_per_ms(device) if device.type == "cuda" else None
@@ -208,9 +216,10 @@ def main() -> None:
         old, rollout, mask = make_inputs(num_tokens, device)
         for name, cfg in SETTINGS.items():
             check_agreement(old, rollout, mask, cfg)
-            base = time_ms(lambda: multipass_correction(old, rollout, mask, cfg), device, args.repeats)
-            ours = time_ms(lambda: compute_rollout_correction(old, rollout, mask, cfg, check_inputs=False),
-                           device, args.repeats)
+            base, ours = time_side_by_side(
+                [lambda: multipass_correction(old, rollout, mask, cfg),
+                 lambda: compute_rollout_correction(old, rollout, mask, cfg, check_inputs=False)],
+                device, args.repeats)
             row = f"{name:<9} {old.numel():>9} {base:>14.2f} {ours:>9.2f} {base / ours:>8.1f}x"
             if bandwidth:
                 floor = (3 * 4 + 2 * 4) * old.numel() / bandwidth

@@ -44,13 +44,8 @@ class Context:
     log_ratio: torch.Tensor | None     # float32 old - rollout, exactly 0 at masked positions
     clamped: torch.Tensor | None       # clamp20(log_ratio)
     rollout_log_prob: torch.Tensor | None = None  # the input, garbage at masked positions
-    row_slice: slice = field(default_factory=lambda: slice(None))  # the block's rows in the batch
     rows: Partials = field(default_factory=Partials)
     totals: Partials = field(default_factory=Partials)
-
-    def batch_rows_to_tokens(self, x_row: torch.Tensor) -> torch.Tensor:
-        """Broadcast a per-row tensor of the whole batch to this block's token layout."""
-        return self.seg.to_tokens(x_row[self.row_slice])
 
     @cached_property
     def ratio_tok(self) -> torch.Tensor:
@@ -77,7 +72,7 @@ class Context:
         return self.seg.row_sum(self.mask)
 
     @cached_property
-    def _scratch(self) -> torch.Tensor:
+    def scratch(self) -> torch.Tensor:
         """A token-sized buffer for values that are reduced at once: fresh multi-MB allocations
         cost page faults on CPUs, a large share of this memory-bound phase."""
         return torch.empty_like(self.mask)
@@ -93,7 +88,7 @@ class Context:
                   zero_masked: bool = False) -> torch.Tensor:
         """float64 [rows] number of valid tokens with x compare threshold."""
         return self.seg.row_sum(self.indicator(compare, x_tok, threshold, zero_masked=zero_masked,
-                                               out=self._scratch))
+                                               out=self.scratch))
 
     def row_sum(self, x_tok: torch.Tensor) -> torch.Tensor:
         """float64 [rows] sum over valid tokens of a tensor that is finite everywhere."""
@@ -112,7 +107,7 @@ class Context:
         `scratch`: x_tok is a temporary of the caller's and may be overwritten."""
         shift_row = torch.where(torch.isfinite(shift_row), shift_row, 0.0)
         shift_tok = self.seg.to_tokens(shift_row)
-        d_tok = x_tok.sub_(shift_tok) if scratch else torch.sub(x_tok, shift_tok, out=self._scratch)
+        d_tok = x_tok.sub_(shift_tok) if scratch else torch.sub(x_tok, shift_tok, out=self.scratch)
         d_tok.mul_(self.mask)
         d_sum = self.seg.row_sum(d_tok)
         n, k = self.local_n_row, shift_row.double()
@@ -123,11 +118,11 @@ class Context:
 
     def row_max(self, x_tok: torch.Tensor) -> torch.Tensor:
         """[rows] max over valid tokens of a finite per-token tensor; -inf for a row with none."""
-        shifted = torch.sub(x_tok, self._mask_offset, out=self._scratch)
+        shifted = torch.sub(x_tok, self._mask_offset, out=self.scratch)
         return torch.where(self.local_n_row > 0, self.seg.row_max(shifted), float("-inf"))
 
     def row_min(self, x_tok: torch.Tensor) -> torch.Tensor:
-        shifted = torch.add(x_tok, self._mask_offset, out=self._scratch)
+        shifted = torch.add(x_tok, self._mask_offset, out=self.scratch)
         return torch.where(self.local_n_row > 0, self.seg.row_min(shifted), float("inf"))
 
     # ---- phase 2 views (valid after rows are reduced over CP) ----
@@ -176,10 +171,10 @@ def max_all(x: torch.Tensor) -> torch.Tensor:
     return x.max()
 
 
-def finite(x: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+def finite(x: torch.Tensor, *, inplace: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """NaN -> 0 and +-inf -> +-1e30, so that a multiply by the 0/1 mask clears masked garbage
     (inf * 0 would be NaN). Valid positions are finite whenever the inputs pass validation."""
-    return torch.nan_to_num(x, nan=0.0, posinf=INF_STANDIN, neginf=-INF_STANDIN, out=x if inplace else None)
+    return torch.nan_to_num(x, nan=0.0, posinf=INF_STANDIN, neginf=-INF_STANDIN, out=x if inplace else out)
 
 
 def per_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

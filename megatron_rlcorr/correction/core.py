@@ -16,7 +16,7 @@ from .validate import check_layout, check_values
 from .weights import ImportanceWeights
 
 METRIC_PREFIX = "rollout_corr/"
-CPU_BLOCK_TOKENS = 1 << 17
+CPU_BLOCK_TOKENS = 1 << 18
 
 
 @dataclass
@@ -56,19 +56,23 @@ def compute_rollout_correction(
     families = [Counts(), OffPolicyMetrics(), veto]
     families += [f for f in (weights, rejection) if f is not None]
 
-    def block(rows: slice) -> Context:
-        return _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows)
-
-    blocks = _row_blocks(response_mask, cu_seqlens)
-    token_contexts = [block(rows) for rows in blocks[:1]]  # later blocks are built one at a time
-    row_partials = []
-    for i, rows in enumerate(blocks):
-        ctx = token_contexts[0] if i == 0 else block(rows)
+    is_weights = torch.empty_like(response_mask, dtype=torch.float32) if weights is not None else None
+    keep = torch.empty_like(response_mask, dtype=torch.float32)
+    row_partials, seg = [], None
+    for rows in _row_blocks(response_mask, cu_seqlens):
+        # The block's float mask is written straight into the output mask's rows.
+        tok = _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows, mask_out=keep[rows])
         for family in families:
-            family.rows_phase(ctx)
-        row_partials.append(ctx.rows)
+            family.rows_phase(tok)
+        row_partials.append(tok.rows)
+        if is_weights is not None:
+            weights.token_part(tok, out=is_weights[rows])
+        if rejection is not None:
+            keep[rows] = rejection.token_keep(tok)
+        seg = tok.seg
 
-    seg = token_contexts[0].seg if len(blocks) == 1 else Segments.padded(response_mask.shape[0])
+    if len(row_partials) > 1:
+        seg = Segments.padded(response_mask.shape[0])
     ctx = Context(seg, None, None, None, rows=Partials.concat_rows(row_partials))
     ctx.rows.all_reduce(cp_group)
     for family in families:
@@ -78,21 +82,28 @@ def compute_rollout_correction(
     for family in families[1:]:
         metrics.update(family.metrics(ctx))
 
-    is_weights = torch.empty_like(response_mask, dtype=torch.float32) if weights is not None else None
-    keep_mask = torch.empty_like(response_mask)
-    for i, rows in enumerate(blocks):
-        tok = token_contexts[0] if i == 0 else block(rows)
-        if is_weights is not None:
-            is_weights[rows] = weights.weights(tok)
-        keep = rejection.keep(tok) if rejection is not None else tok.mask
-        if veto.log_threshold is not None:
-            keep = keep * tok.batch_rows_to_tokens(veto.keep_row.float())
-        keep_mask[rows] = keep
+    if is_weights is not None:
+        weights.finish_(is_weights, ctx)
+    keep_row = _sequence_decisions(rejection, veto)
+    if keep_row is not None:
+        keep.mul_(seg.to_tokens(keep_row.float()))
     return CorrectionResult(
         is_weights=is_weights,
-        response_mask=keep_mask,
+        response_mask=keep != 0 if response_mask.dtype == torch.bool else keep.to(response_mask.dtype),
         metrics={METRIC_PREFIX + name: value.float() for name, value in metrics.items()},
     )
+
+
+def _sequence_decisions(rejection: Rejection | None, veto: Veto) -> torch.Tensor | None:
+    """bool [rows]: sequences kept by the sequence-level rules and the veto (None: no such rule)."""
+    decisions = []
+    if rejection is not None and rejection.row_rules:
+        decisions.append(rejection.keep_row)
+    if veto.log_threshold is not None:
+        decisions.append(veto.keep_row)
+    if not decisions:
+        return None
+    return decisions[0] if len(decisions) == 1 else decisions[0] & decisions[1]
 
 
 def _row_blocks(response_mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[slice]:
@@ -109,9 +120,10 @@ def _row_blocks(response_mask: torch.Tensor, cu_seqlens: torch.Tensor | None) ->
     return [slice(r, min(r + rows_per_block, num_rows)) for r in range(0, num_rows, rows_per_block)]
 
 
-def _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows: slice) -> Context:
+def _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows: slice,
+             mask_out: torch.Tensor) -> Context:
     old_log_prob, rollout_log_prob, response_mask = old_log_prob[rows], rollout_log_prob[rows], response_mask[rows]
-    mask = torch.ne(response_mask, 0, out=torch.empty_like(response_mask, dtype=torch.float32))
+    mask = torch.ne(response_mask, 0, out=mask_out)
     if cu_seqlens is None:
         seg = Segments.padded(mask.shape[0])
     else:
@@ -121,4 +133,4 @@ def _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows: sl
     log_ratio = finite(old_log_prob.detach().float() - rollout_log_prob.detach().float(), inplace=True).mul_(mask)
     return Context(seg=seg, mask=mask, log_ratio=log_ratio,
                    clamped=log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND),
-                   rollout_log_prob=rollout_log_prob.detach(), row_slice=rows)
+                   rollout_log_prob=rollout_log_prob.detach())

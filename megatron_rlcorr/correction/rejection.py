@@ -131,9 +131,10 @@ class Rejection:
             keep_tok = keep_tok * keep_rule
         return keep_tok
 
-    def keep(self, ctx: Context) -> torch.Tensor:
-        """float32 token layout of a block: 1 = kept by every rule (0 at masked positions)."""
-        return self._keep_tokens(ctx) * ctx.batch_rows_to_tokens(self.keep_row.float())
+    def token_keep(self, ctx: Context) -> torch.Tensor:
+        """float32 token layout of a block: kept by every token rule (0 at masked positions);
+        the sequence decisions (`keep_row`) follow after the CP reduction."""
+        return self._keep_tokens(ctx)
 
 
 class DivergenceMetrics:

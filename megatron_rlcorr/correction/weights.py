@@ -48,13 +48,21 @@ class ImportanceWeights:
             out["rollout_is_batch_norm_factor"] = self.norm_factor
         return out
 
-    def weights(self, ctx: Context) -> torch.Tensor:
-        """float32 detached weights in the token layout, 0 at masked positions (call after metrics)."""
+    def token_part(self, ctx: Context, out: torch.Tensor) -> None:
+        """Writes the part of a block's weights known in the token phase into `out`: the truncated
+        token weights, or the mask for sequence weights (0 at masked positions)."""
         if self.level == "token":
-            w = self._truncate(ctx.ratio_tok)
+            torch.clamp(ctx.ratio_tok, min=self.lower, max=self.upper, out=out).mul_(ctx.mask)
         else:
-            w = ctx.batch_rows_to_tokens(self.weight_row)
-        w = w * ctx.mask  # a new tensor: the in-place division below is safe
+            out.copy_(ctx.mask)
+
+    def finish_(self, w_tok: torch.Tensor, ctx: Context) -> None:
+        """In place, after `metrics`: the sequence weights and the batch normalisation."""
+        scale_row = self.weight_row if self.level == "sequence" else None
         if self.norm_factor is not None:
-            w.div_(self.norm_factor.float())
-        return w.detach()
+            norm = self.norm_factor.float()
+            scale_row = scale_row / norm if scale_row is not None else None
+            if scale_row is None:
+                w_tok.div_(norm)
+        if scale_row is not None:
+            w_tok.mul_(ctx.seg.to_tokens(scale_row.float()))
