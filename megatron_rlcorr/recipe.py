@@ -167,6 +167,12 @@ class Recipe:
         if per_rank % self.trainer.micro_batch_size:
             raise ValueError(f"trainer.micro_batch_size={self.trainer.micro_batch_size} must divide the sequences per "
                              f"rank per mini-batch ({per_rank})")
+        corr = self.algorithm.rollout_correction
+        if (corr is not None and corr.bypass_mode and corr.use_policy_gradient and corr.rollout_is_batch_normalize
+                and per_rank != self.trainer.micro_batch_size):
+            raise ValueError(f"algorithm.rollout_correction.rollout_is_batch_normalize in bypass policy-gradient mode "
+                             f"needs one micro-batch per rank: set trainer.micro_batch_size={per_rank} (the "
+                             f"sequences per rank per mini-batch) or rollout_is_batch_normalize: false")
         heads = self.model.num_attention_heads
         if heads % self.parallel.tp or self.model.num_query_groups % self.parallel.tp:
             raise ValueError(f"model heads ({heads}) and query groups ({self.model.num_query_groups}) must be divisible "

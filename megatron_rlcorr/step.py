@@ -153,6 +153,16 @@ def _check_batch(batch: StepBatch) -> None:
             raise ValueError(f"StepBatch.{name} must be an integer tensor, got {getattr(batch, name).dtype}")
 
 
+def _check_bypass_pg_batch_norm(cfg: StepConfig, num_microbatches: int) -> None:
+    """Bypass policy gradient corrects inside each micro-batch's loss: a batch normalisation there
+    would be per micro-batch, and the gradient would depend on the micro-batch size."""
+    c = cfg.correction
+    if c.bypass_mode and cfg.use_policy_gradient and c.rollout_is_batch_normalize and num_microbatches > 1:
+        raise ValueError(f"rollout_is_batch_normalize in bypass policy-gradient mode needs one micro-batch per "
+                         f"rank and mini-batch (got {num_microbatches}): raise trainer.micro_batch_size to the "
+                         f"sequences per rank per mini-batch, or set rollout_is_batch_normalize: false")
+
+
 def _num_microbatches(batch_size: int, micro_batch_size: int) -> int:
     if batch_size % micro_batch_size:
         raise ValueError(f"the mini-batch has {batch_size} sequences on this DP rank, not a multiple of "
@@ -288,6 +298,7 @@ def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBa
     num_microbatches = _num_microbatches(shard.tokens.shape[0], mbs)
     is_last = groups.is_pipeline_last_stage()
     correct_in_loss = cfg.correction.bypass_mode  # bypass PPO and bypass policy gradient
+    _check_bypass_pg_batch_norm(cfg, num_microbatches)
     bypass_ppo = correct_in_loss and not cfg.use_policy_gradient
     # Bypass PPO's loss needs only the RS/veto mask (no IS weights: the PPO ratio is the weight).
     mask_only = _mask_only(cfg.correction) if bypass_ppo else None

@@ -106,3 +106,13 @@ def test_cli_train_validates_before_launching(capsys, monkeypatch):
     assert cli.main(["train", "--config", str(TINY), "--nproc", "2", "trainer.steps=1"]) == 0
     assert launched[0][1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                                "megatron_rlcorr.train", "--config", str(TINY), "trainer.steps=1"]
+
+
+def test_bypass_pg_batch_norm_needs_one_micro_batch_per_rank():
+    overrides = ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.use_policy_gradient=true",
+                 "trainer.micro_batch_size=16"]  # tiny: 16 prompts x 8 samples / dp 2 = 64 sequences per rank
+    with pytest.raises(ValueError, match="trainer.micro_batch_size=64"):
+        load_recipe(TINY, overrides).check_layout(2)
+    assert load_recipe(TINY, overrides[:2] + ["trainer.micro_batch_size=64"]).check_layout(2) == 2
+    relaxed = overrides + ["algorithm.rollout_correction.rollout_is_batch_normalize=false"]
+    assert load_recipe(TINY, relaxed).check_layout(2) == 2
