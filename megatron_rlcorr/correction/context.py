@@ -54,17 +54,33 @@ class Context:
         return self.clamped.exp()
 
     @cached_property
+    def clamped_row_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 [rows] (min, max) of the clamped log-ratio over valid tokens (+inf, -inf for a
+        row with none). Masked positions are filled with the row's clamped mean log-ratio, which
+        lies between the two, so one min-max reduction needs no exclusion of its own."""
+        mean_row = self.local_log_ratio_row / self.local_n_row.clamp(min=1)
+        fill_tok = self.seg.to_tokens(mean_row.float().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        filled = torch.addcmul(self.clamped, self._inv_mask, fill_tok, out=self.scratch)
+        low, high = self.seg.row_aminmax(filled)
+        empty = self.local_n_row == 0
+        return torch.where(empty, float("inf"), low), torch.where(empty, float("-inf"), high)
+
+    @property
     def clamped_row_max(self) -> torch.Tensor:
-        """float32 [rows] max of the clamped log-ratio over valid tokens (-inf for none)."""
-        return self.row_max(self.clamped)
+        return self.clamped_row_extremes[1]
 
-    @cached_property
+    @property
     def clamped_row_min(self) -> torch.Tensor:
-        return self.row_min(self.clamped)
+        return self.clamped_row_extremes[0]
 
     @cached_property
-    def _mask_offset(self) -> torch.Tensor:
-        return torch.rsub(self.mask, MASK_OFFSET, alpha=MASK_OFFSET)  # (1 - mask) * offset, one pass
+    def _inv_mask(self) -> torch.Tensor:
+        return torch.rsub(self.mask, 1.0)  # 1 - mask, one pass
+
+    @cached_property
+    def local_log_ratio_row(self) -> torch.Tensor:
+        """float64 [rows]: this rank's log-ratio sum of each sequence (before the CP reduction)."""
+        return self.seg.row_sum(self.log_ratio)
 
     @cached_property
     def local_n_row(self) -> torch.Tensor:
@@ -92,15 +108,15 @@ class Context:
 
     def row_sum(self, x_tok: torch.Tensor) -> torch.Tensor:
         """float64 [rows] sum over valid tokens of a tensor that is finite everywhere."""
-        return self.seg.row_sum(x_tok * self.mask)
+        return self.seg.row_sum(torch.mul(x_tok, self.mask, out=self.scratch))
 
     def row_sum_zero_masked(self, x_tok: torch.Tensor) -> torch.Tensor:
         """row_sum for a quantity that is 0 at masked positions by construction (a function f of
         the clamped log-ratio with f(0) = 0, or an indicator), saving the masking pass."""
         return self.seg.row_sum(x_tok)
 
-    def row_moments(self, x_tok: torch.Tensor, shift_row: torch.Tensor, *, second: bool = True,
-                    scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def row_moments(self, x_tok: torch.Tensor, shift_row: torch.Tensor, *,
+                    scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 [rows] sums of x and x^2 over valid tokens, accumulated in float32 around a
         per-row shift (a value within the row's range) and shifted back in float64, so that the
         variance of nearly equal values does not cancel catastrophically.
@@ -111,18 +127,15 @@ class Context:
         d_tok.mul_(self.mask)
         d_sum = self.seg.row_sum(d_tok)
         n, k = self.local_n_row, shift_row.double()
-        x_sum = d_sum + n * k
-        if not second:
-            return x_sum, None
-        return x_sum, self.seg.row_sum(d_tok.mul_(d_tok)) + k * (2.0 * d_sum + n * k)
+        return d_sum + n * k, self.seg.row_sum(d_tok.mul_(d_tok)) + k * (2.0 * d_sum + n * k)
 
     def row_max(self, x_tok: torch.Tensor) -> torch.Tensor:
         """[rows] max over valid tokens of a finite per-token tensor; -inf for a row with none."""
-        shifted = torch.sub(x_tok, self._mask_offset, out=self.scratch)
+        shifted = torch.add(x_tok, self._inv_mask, alpha=-MASK_OFFSET, out=self.scratch)
         return torch.where(self.local_n_row > 0, self.seg.row_max(shifted), float("-inf"))
 
     def row_min(self, x_tok: torch.Tensor) -> torch.Tensor:
-        shifted = torch.add(x_tok, self._mask_offset, out=self.scratch)
+        shifted = torch.add(x_tok, self._inv_mask, alpha=MASK_OFFSET, out=self.scratch)
         return torch.where(self.local_n_row > 0, self.seg.row_min(shifted), float("inf"))
 
     # ---- phase 2 views (valid after rows are reduced over CP) ----
@@ -196,7 +209,7 @@ class Counts:
 
     def rows_phase(self, ctx: Context) -> None:
         ctx.rows.add_sum("n", ctx.local_n_row)
-        ctx.rows.add_sum("log_ratio", ctx.row_sum_zero_masked(ctx.log_ratio))
+        ctx.rows.add_sum("log_ratio", ctx.local_log_ratio_row)
 
     def batch_phase(self, ctx: Context) -> None:
         ctx.totals.add_sum("tokens", ctx.n_row.sum())

@@ -32,10 +32,10 @@ class RatioMetrics:
         if self.level != "token":
             return  # sequence levels need only S_i and n_i, which every call reduces
         rows, key, v = ctx.rows, self._key, ctx.ratio_tok
-        # Sums are taken around the row's largest ratio so that nearly equal values (all close
-        # to 1, all tiny, or all clamped to one bound) do not cancel in float32.
+        # The spread of the clamped ratio is summed around the row's largest ratio so that nearly
+        # equal values (all close to 1, or all clamped to one bound) do not cancel in float32.
         v_shift = ctx.clamped_row_max.exp()
-        v_sum, _ = ctx.row_moments(v, v_shift, second=False)
+        v_sum = ctx.row_sum(v)  # float32 sums keep tiny ratios' relative precision
         w_sum, w2_sum = ctx.row_moments(v.clamp(self.lo, self.hi), v_shift.clamp(self.lo, self.hi), scratch=True)
         rows.add_sum(key("v"), v_sum)
         rows.add_sum(key("w"), w_sum)
