@@ -176,9 +176,7 @@ def _group_or_none(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup | N
 
 def _mask_only(correction: RolloutCorrectionConfig) -> RolloutCorrectionConfig:
     """The same rejection rules and veto without IS weights: what bypass PPO's loss needs."""
-    # Through to_dict: it gives list-valued RS options/thresholds back in the form __init__ accepts.
-    return RolloutCorrectionConfig(**{**correction.to_dict(), "rollout_is": None,
-                                      "rollout_is_batch_normalize": False})
+    return dataclasses.replace(correction, rollout_is=None, rollout_is_batch_normalize=False)
 
 
 # ---- running the pipeline schedule ---------------------------------------------------------

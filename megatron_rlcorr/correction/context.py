@@ -174,7 +174,7 @@ class Context:
         return max_all(torch.where(self.nonempty_row, x_row, float("-inf")))
 
     def min_rows(self, x_row: torch.Tensor) -> torch.Tensor:
-        return -max_all(torch.where(self.nonempty_row, -x_row, float("-inf")))
+        return min_all(torch.where(self.nonempty_row, x_row, float("inf")))
 
 
 def max_all(x: torch.Tensor) -> torch.Tensor:
@@ -182,6 +182,11 @@ def max_all(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:  # a shape, not a value: no host sync
         return x.new_full((), float("-inf"))
     return x.max()
+
+
+def min_all(x: torch.Tensor) -> torch.Tensor:
+    """0-d min that is +inf for an empty tensor."""
+    return -max_all(-x)
 
 
 def finite(x: torch.Tensor, *, inplace: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:

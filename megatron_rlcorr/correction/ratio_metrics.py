@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from .context import LOG_RATIO_BOUND, Context, finite_or_zero, max_all, per_count
+from .context import LOG_RATIO_BOUND, Context, finite_or_zero, max_all, min_all, per_count
 
 RatioLevel = Literal["token", "seq_sum", "seq_mean"]
 
@@ -53,7 +53,7 @@ class RatioMetrics:
             for name in ("v", "w", "w2", "hi", "lo"):
                 totals.add_sum(key(name), rows.sum(key(name)).sum())
             totals.add_max(key("max"), max_all(rows.max(key("max_log"))))
-            totals.add_min(key("min"), -max_all(-rows.min(key("min_log"))))
+            totals.add_min(key("min"), min_all(rows.min(key("min_log"))))
             seq_value = rows.sum(key("v")) / n.clamp(min=1)  # s_i, the row mean ratio
         else:
             log_v = self.log_ratio_row(ctx)

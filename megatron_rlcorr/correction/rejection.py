@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..config import RejectionRule, RolloutCorrectionConfig
-from .context import Context, finite_or_zero, max_all, per_count
+from .context import Context, finite_or_zero, max_all, min_all, per_count
 from .ratio_metrics import RatioMetrics
 
 
@@ -83,7 +83,7 @@ class Rejection:
         self.divergence = [DivergenceMetrics(d) for d in self.decisions if d.rule.estimator != "ratio"]
 
     def rows_phase(self, ctx: Context) -> None:
-        ctx.rows.add_sum("rs/kept", ctx.row_sum_zero_masked(self._keep_tokens(ctx, remember=True)))
+        ctx.rows.add_sum("rs/kept", ctx.row_sum_zero_masked(self.token_keep(ctx, remember=True)))
         for decision in self.row_rules:
             if decision.rule.estimator != "ratio":
                 stat = divergence_tok(decision.rule.estimator, ctx.clamped)
@@ -121,20 +121,17 @@ class Rejection:
             out.update(family.metrics(ctx))
         return out
 
-    def _keep_tokens(self, ctx: Context, remember: bool = False) -> torch.Tensor:
-        """float32 token layout: kept by every token rule (0 at masked positions)."""
+    def token_keep(self, ctx: Context, remember: bool = False) -> torch.Tensor:
+        """float32 token layout of a block: kept by every token rule (0 at masked positions); the
+        sequence decisions (`keep_row`) follow after the CP reduction. `remember`: keep each
+        rule's decisions for this block's divergence metrics."""
         keep_tok = ctx.mask
         for decision in self.token_rules:
             keep_rule = decision.keep_tokens(ctx)
-            if remember:  # this block's divergence metrics count the rule's rejections
+            if remember:
                 decision.keep_tok = keep_rule
             keep_tok = keep_tok * keep_rule
         return keep_tok
-
-    def token_keep(self, ctx: Context) -> torch.Tensor:
-        """float32 token layout of a block: kept by every token rule (0 at masked positions);
-        the sequence decisions (`keep_row`) follow after the CP reduction."""
-        return self._keep_tokens(ctx)
 
 
 class DivergenceMetrics:
@@ -187,7 +184,7 @@ class DivergenceMetrics:
                 totals.add_sum(k + name, rows.sum(k + name).sum())
             totals.add_sum(k + "rejected_rows", ctx.sum_rows(rows.sum(k + "rejected") > 0))
             totals.add_max(k + "max", max_all(rows.max(k + "max")))
-            totals.add_min(k + "min", -max_all(-rows.min(k + "min")))
+            totals.add_min(k + "min", min_all(rows.min(k + "min")))
             return
         stat = self.d.statistic_row(ctx)
         stat64 = torch.where(ctx.nonempty_row, stat.double(), 0.0)

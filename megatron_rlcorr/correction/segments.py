@@ -42,21 +42,19 @@ class Segments:
         index_add, so they accumulate in float64 to stay independent of how a sequence is split.
         """
         if not self.is_packed:
-            if x_tok.dtype == torch.bool:
-                return x_tok.count_nonzero(dim=-1).double()
             return x_tok.sum(dim=-1).double()
         out = torch.zeros(self.num_rows + 1, dtype=torch.float64, device=x_tok.device)
         return out.index_add_(0, self.row_of_token, x_tok.double())[: self.num_rows]
 
     def row_max(self, x_tok: torch.Tensor) -> torch.Tensor:
-        """[rows] maxima of a per-token tensor that is already -inf at masked positions."""
+        """[rows] maxima of a per-token tensor whose masked positions cannot be the maximum."""
         if not self.is_packed:
             return x_tok.amax(dim=-1) if x_tok.shape[-1] else x_tok.new_full(x_tok.shape[:-1], float("-inf"))
         out = torch.full((self.num_rows + 1,), float("-inf"), dtype=x_tok.dtype, device=x_tok.device)
         return out.scatter_reduce_(0, self.row_of_token, x_tok, reduce="amax")[: self.num_rows]
 
     def row_min(self, x_tok: torch.Tensor) -> torch.Tensor:
-        """[rows] minima of a per-token tensor that is already +inf at masked positions."""
+        """[rows] minima of a per-token tensor whose masked positions cannot be the minimum."""
         if not self.is_packed:
             return x_tok.amin(dim=-1) if x_tok.shape[-1] else x_tok.new_full(x_tok.shape[:-1], float("inf"))
         out = torch.full((self.num_rows + 1,), float("inf"), dtype=x_tok.dtype, device=x_tok.device)

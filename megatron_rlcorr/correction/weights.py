@@ -20,8 +20,8 @@ class ImportanceWeights:
         # IS metrics describe the weights before truncation (SPEC 4.1).
         self.family = RatioMetrics("rollout_is_", level, cfg.rollout_is_threshold, cfg.is_threshold_low_mark)
 
-    def _truncate(self, w: torch.Tensor) -> torch.Tensor:
-        return w.clamp(min=self.lower, max=self.upper)
+    def _truncate(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.clamp(w, min=self.lower, max=self.upper, out=out)
 
     def rows_phase(self, ctx: Context) -> None:
         self.family.rows_phase(ctx)
@@ -52,7 +52,7 @@ class ImportanceWeights:
         """Writes the part of a block's weights known in the token phase into `out`: the truncated
         token weights, or the mask for sequence weights (0 at masked positions)."""
         if self.level == "token":
-            torch.clamp(ctx.ratio_tok, min=self.lower, max=self.upper, out=out).mul_(ctx.mask)
+            self._truncate(ctx.ratio_tok, out=out).mul_(ctx.mask)
         else:
             out.copy_(ctx.mask)
 
