@@ -114,7 +114,7 @@ class Trainer:
         old_log_probs = None
         if self.step_cfg.correction.needs_old_log_prob_pass:
             old_log_probs = compute_old_log_probs(self.model, batch, groups=self.groups,
-                                                  micro_batch_size=self.recipe.trainer.micro_batch_size,
+                                                  micro_batch_size=self.step_cfg.micro_batch_size,
                                                   temperature=self.step_cfg.temperature)
         results = self._update(batch, old_log_probs)
         t_train = time.perf_counter()
