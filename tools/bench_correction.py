@@ -7,7 +7,7 @@ ours first so the comparison is fair. On a GPU the table also shows the memory-b
 one read of the inputs (two float32 log-prob tensors and a float32 mask) and one write of the
 outputs (float32 weights and mask), at the bandwidth measured by a device-to-device copy.
 
-    python tools/bench_correction.py [--sizes 262144,1048576,4194304] [--device cuda] [--repeats 5]
+    python tools/bench_correction.py [--sizes 256K,1M,4M] [--device cuda] [--repeats 15]
 """
 from __future__ import annotations
 
@@ -199,9 +199,19 @@ def check_agreement(old, rollout, mask, cfg):
             assert math.isclose(got, value, rel_tol=1e-3, abs_tol=1e-4), (name, got, value)
 
 
+def _parse_size(text: str) -> int:
+    """'262144', '256K', '1M', '4M' -> tokens (K = 2^10, M = 2^20)."""
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text.strip()[-1:].upper(), 1)
+    digits = text.strip()[:-1] if scale > 1 else text.strip()
+    try:
+        return int(float(digits) * scale)
+    except ValueError:
+        raise SystemExit(f"--sizes: cannot read {text!r}; use token counts like 262144 or 256K,1M,4M") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="262144,1048576,4194304")
+    parser.add_argument("--sizes", default="256K,1M,4M", help="token counts, comma-separated (K = 2^10, M = 2^20)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
@@ -212,7 +222,7 @@ def main() -> None:
     if bandwidth:
         header += f" {'floor ms':>9} {'ours/floor':>10}"
     print(header)
-    for num_tokens in (int(s) for s in args.sizes.split(",")):
+    for num_tokens in (_parse_size(s) for s in args.sizes.split(",")):
         old, rollout, mask = make_inputs(num_tokens, device)
         for name, cfg in SETTINGS.items():
             check_agreement(old, rollout, mask, cfg)

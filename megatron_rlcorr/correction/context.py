@@ -54,24 +54,18 @@ class Context:
         return self.clamped.exp()
 
     @cached_property
-    def clamped_row_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 [rows] (min, max) of the clamped log-ratio over valid tokens (+inf, -inf for a
-        row with none). Masked positions are filled with the row's clamped mean log-ratio, which
-        lies between the two, so one min-max reduction needs no exclusion of its own."""
-        mean_row = self.local_log_ratio_row / self.local_n_row.clamp(min=1)
-        fill_tok = self.seg.to_tokens(mean_row.float().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-        filled = torch.addcmul(self.clamped, self._inv_mask, fill_tok, out=self.scratch)
-        low, high = self.seg.row_aminmax(filled)
-        empty = self.local_n_row == 0
-        return torch.where(empty, float("inf"), low), torch.where(empty, float("-inf"), high)
+    def ratio_tok_masked(self) -> torch.Tensor:
+        """rho_t at valid positions, 0 at masked ones."""
+        return self.ratio_tok * self.mask
 
-    @property
-    def clamped_row_max(self) -> torch.Tensor:
-        return self.clamped_row_extremes[1]
-
-    @property
-    def clamped_row_min(self) -> torch.Tensor:
-        return self.clamped_row_extremes[0]
+    @cached_property
+    def ratio_row_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 [rows] (min, max) of rho over valid tokens (+inf, -inf for a row with none).
+        rho > 0 everywhere and is 1 at masked positions, so the masked product (0 there) has the
+        row's maximum and the quotient by the mask (+inf there) its minimum: no extra masking pass."""
+        high = self.seg.row_max(self.ratio_tok_masked)
+        low = self.seg.row_min(torch.div(self.ratio_tok, self.mask, out=self.scratch))
+        return low, torch.where(self.local_n_row > 0, high, float("-inf"))
 
     @cached_property
     def _inv_mask(self) -> torch.Tensor:

@@ -22,7 +22,8 @@ CPU_BLOCK_TOKENS = 1 << 18
 @dataclass
 class CorrectionResult:
     is_weights: torch.Tensor | None    # float32, like old_log_prob; None when rollout_is is None
-    response_mask: torch.Tensor        # the input mask with rejected tokens removed; same dtype
+    response_mask: torch.Tensor        # the input mask with rejected tokens removed; same dtype (the
+                                       # input tensor itself when no rule can reject, padded layout)
     metrics: dict[str, torch.Tensor]   # "rollout_corr/<name>" -> 0-d float32 tensor, equal on all ranks
 
 
@@ -57,11 +58,15 @@ def compute_rollout_correction(
     families += [f for f in (weights, rejection) if f is not None]
 
     is_weights = torch.empty_like(response_mask, dtype=torch.float32) if weights is not None else None
-    keep = torch.empty_like(response_mask, dtype=torch.float32)
+    # Without a rule that can reject, the padded output mask is the input mask: nothing to write.
+    # (The packed one still drops the tokens after cu_seqlens[-1].)
+    can_reject = rejection is not None or veto.log_threshold is not None or cu_seqlens is not None
+    keep = torch.empty_like(response_mask, dtype=torch.float32) if can_reject else None
     row_partials, seg = [], None
     for rows in _row_blocks(response_mask, cu_seqlens):
         # The block's float mask is written straight into the output mask's rows.
-        tok = _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows, mask_out=keep[rows])
+        tok = _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows,
+                       mask_out=keep[rows] if keep is not None else None)
         for family in families:
             family.rows_phase(tok)
         row_partials.append(tok.rows)
@@ -87,9 +92,13 @@ def compute_rollout_correction(
     keep_row = _sequence_decisions(rejection, veto)
     if keep_row is not None:
         keep.mul_(seg.to_tokens(keep_row.float()))
+    if keep is None:
+        out_mask = response_mask
+    else:
+        out_mask = keep != 0 if response_mask.dtype == torch.bool else keep.to(response_mask.dtype)
     return CorrectionResult(
         is_weights=is_weights,
-        response_mask=keep != 0 if response_mask.dtype == torch.bool else keep.to(response_mask.dtype),
+        response_mask=out_mask,
         metrics={METRIC_PREFIX + name: value.float() for name, value in metrics.items()},
     )
 
@@ -121,15 +130,21 @@ def _row_blocks(response_mask: torch.Tensor, cu_seqlens: torch.Tensor | None) ->
 
 
 def _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows: slice,
-             mask_out: torch.Tensor) -> Context:
+             mask_out: torch.Tensor | None) -> Context:
+    """The block's token tensors. `mask_out`: where to write the float mask (None: anywhere; a
+    float32 0/1 input mask is then used as it is, read-only)."""
     old_log_prob, rollout_log_prob, response_mask = old_log_prob[rows], rollout_log_prob[rows], response_mask[rows]
-    mask = torch.ne(response_mask, 0, out=mask_out)
+    if mask_out is None and response_mask.dtype == torch.float32:
+        mask = response_mask
+    else:
+        mask_out = torch.empty_like(response_mask, dtype=torch.float32) if mask_out is None else mask_out
+        mask = torch.ne(response_mask, 0, out=mask_out)
     if cu_seqlens is None:
         seg = Segments.padded(mask.shape[0])
     else:
         seg = Segments.packed(cu_seqlens, mask.numel(), mask.device)
         # Tokens after cu_seqlens[-1] belong to no sequence: they never count.
-        mask = mask.mul_(seg.row_of_token < seg.num_rows)
+        mask = mask.mul_(seg.row_of_token < seg.num_rows)  # mask_out: the packed layout always has one
     log_ratio = finite(old_log_prob.detach().float() - rollout_log_prob.detach().float(), inplace=True).mul_(mask)
     return Context(seg=seg, mask=mask, log_ratio=log_ratio,
                    clamped=log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND),

@@ -21,8 +21,8 @@ class OffPolicyMetrics:
         rho = ctx.ratio_tok
         k3 = torch.sub(rho, 1.0, out=ctx.scratch).sub_(c)
         ctx.rows.add_sum("offpolicy/k3", ctx.row_sum_zero_masked(k3))
-        # rho^2 - 1, zero at masked positions (rho carries exp's rounding either way).
-        rho2_minus_one = torch.mul(rho, rho, out=ctx.scratch).sub_(1.0)
+        # rho^2 - 1 in one pass, zero at masked positions (rho carries exp's rounding either way).
+        rho2_minus_one = torch.addcmul(rho.new_full((), -1.0), rho, rho, out=ctx.scratch)
         ctx.rows.add_sum("offpolicy/rho2_minus_one", ctx.row_sum_zero_masked(rho2_minus_one))
 
     def batch_phase(self, ctx: Context) -> None:

@@ -32,28 +32,28 @@ class RatioMetrics:
         if self.level != "token":
             return  # sequence levels need only S_i and n_i, which every call reduces
         rows, key, v = ctx.rows, self._key, ctx.ratio_tok
+        v_min, v_max = ctx.ratio_row_extremes
+        v_sum = ctx.row_sum_zero_masked(ctx.ratio_tok_masked)  # float32 sums keep tiny ratios' relative precision
         # The spread of the clamped ratio is summed around the row's largest ratio so that nearly
         # equal values (all close to 1, or all clamped to one bound) do not cancel in float32.
-        v_shift = ctx.clamped_row_max.exp()
-        v_sum = ctx.row_sum(v)  # float32 sums keep tiny ratios' relative precision
-        w_sum, w2_sum = ctx.row_moments(v.clamp(self.lo, self.hi), v_shift.clamp(self.lo, self.hi), scratch=True)
+        w_tok = torch.clamp(v, self.lo, self.hi, out=ctx.scratch)
+        w_sum, w2_sum = ctx.row_moments(w_tok, v_max.clamp(self.lo, self.hi), scratch=True)
         rows.add_sum(key("v"), v_sum)
         rows.add_sum(key("w"), w_sum)
         rows.add_sum(key("w2"), w2_sum)
         # v = 1 at masked positions: only a bound on the wrong side of 1 needs the mask.
         rows.add_sum(key("hi"), ctx.row_count(torch.gt, v, self.hi, zero_masked=self.hi >= 1.0))
         rows.add_sum(key("lo"), ctx.row_count(torch.lt, v, self.lo, zero_masked=self.lo <= 1.0))
-        # exp is monotone: the extremes of v are exp of the extremes of c.
-        rows.add_max(key("max_log"), ctx.clamped_row_max)
-        rows.add_min(key("min_log"), ctx.clamped_row_min)
+        rows.add_max(key("max"), v_max)
+        rows.add_min(key("min"), v_min)
 
     def batch_phase(self, ctx: Context) -> None:
         rows, totals, key, n = ctx.rows, ctx.totals, self._key, ctx.n_row
         if self.level == "token":
             for name in ("v", "w", "w2", "hi", "lo"):
                 totals.add_sum(key(name), rows.sum(key(name)).sum())
-            totals.add_max(key("max"), max_all(rows.max(key("max_log"))))
-            totals.add_min(key("min"), min_all(rows.min(key("min_log"))))
+            totals.add_max(key("max"), max_all(rows.max(key("max"))))
+            totals.add_min(key("min"), min_all(rows.min(key("min"))))
             seq_value = rows.sum(key("v")) / n.clamp(min=1)  # s_i, the row mean ratio
         else:
             log_v = self.log_ratio_row(ctx)
@@ -78,8 +78,8 @@ class RatioMetrics:
     def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
         t, key, tokens, seqs = ctx.totals, self._key, ctx.num_tokens, ctx.num_rows
         frac_den = tokens if self.level == "token" else seqs
-        if self.level == "token":  # extremes of the clamped token log-ratio
-            v_max, v_min = t.max(key("max")).exp(), t.min(key("min")).exp()
+        if self.level == "token":  # extremes of the token ratio exp(clamp20(lr))
+            v_max, v_min = t.max(key("max")), t.min(key("min"))
         else:  # extremes of the unclamped sequence log-ratio (the seed's definition)
             v_max = t.max(key("max")).clamp(max=LOG_RATIO_BOUND).exp()
             v_min = t.min(key("min")).exp()

@@ -61,9 +61,8 @@ class Segments:
         return out.scatter_reduce_(0, self.row_of_token, x_tok, reduce="amin")[: self.num_rows]
 
     def row_aminmax(self, x_tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[rows] (min, max) of a per-token tensor whose masked positions cannot be extremes."""
-        if not self.is_packed and x_tok.shape[-1]:
-            return torch.aminmax(x_tok, dim=-1)
+        """[rows] (min, max) of a per-token tensor whose masked positions cannot be extremes.
+        Two reductions, not `torch.aminmax`: along a dim that one is ~8x slower on CPUs."""
         return self.row_min(x_tok), self.row_max(x_tok)
 
     def to_tokens(self, x_row: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,9 @@ class ImportanceWeights:
     def token_part(self, ctx: Context, out: torch.Tensor) -> None:
         """Writes the part of a block's weights known in the token phase into `out`: the truncated
         token weights, or the mask for sequence weights (0 at masked positions)."""
-        if self.level == "token":
+        if self.level == "token" and self.lower is None:  # min(rho, C) is 0 where rho * mask is
+            torch.clamp(ctx.ratio_tok_masked, max=self.upper, out=out)
+        elif self.level == "token":
             self._truncate(ctx.ratio_tok, out=out).mul_(ctx.mask)
         else:
             out.copy_(ctx.mask)
