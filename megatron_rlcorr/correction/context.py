@@ -164,6 +164,27 @@ class Context:
         """0-d float64 sum over this rank's non-empty sequences."""
         return torch.where(self.nonempty_row, x_row.to(torch.float64), 0.0).sum()
 
+    def add_centred_moments(self, key: str, x_row: torch.Tensor, weight_row: torch.Tensor) -> None:
+        """Batch partials of a per-sequence value x_i with weight w_i (n_i tokens, or 1 a sequence):
+        `key/s` = sum w x, `key/m2` = sum w (x - m)^2 around this rank's own weighted mean m, and
+        `key/q` = s^2 / W. Centring on the rank's mean keeps equal values (one sequence, duplicate
+        responses) at exactly 0 spread, where sum w x^2 - s^2 / W would leave the rounding of two
+        large, equal terms."""
+        w = torch.where(self.nonempty_row, weight_row.double(), 0.0)
+        x = torch.where(self.nonempty_row, x_row.double(), 0.0)
+        total_w = w.sum().clamp(min=1)
+        s = (w * x).sum()
+        self.totals.add_sum(key + "/s", s)
+        self.totals.add_sum(key + "/m2", (w * (x - s / total_w).square()).sum())
+        self.totals.add_sum(key + "/q", s * s / total_w)
+
+    def centred_sum_of_squares(self, key: str, total_weight: torch.Tensor) -> torch.Tensor:
+        """sum w (x - mean)^2 over the whole batch from `add_centred_moments`' partials: the ranks'
+        m2 plus the spread of the ranks' means, sum_r s_r^2 / W_r - s^2 / W (exactly 0 on one rank).
+        `total_weight`: the batch's W (num_tokens or num_rows)."""
+        t, s = self.totals, self.totals.sum(key + "/s")
+        return (t.sum(key + "/m2") + t.sum(key + "/q") - s * s / total_weight.clamp(min=1)).clamp(min=0.0)
+
     def max_rows(self, x_row: torch.Tensor) -> torch.Tensor:
         return max_all(torch.where(self.nonempty_row, x_row, float("-inf")))
 

@@ -67,8 +67,7 @@ class RatioMetrics:
             totals.add_max(key("max"), ctx.max_rows(log_v))
             totals.add_min(key("min"), ctx.min_rows(log_v))
         seq_dev = seq_value - 1.0
-        totals.add_sum(key("seq_dev"), ctx.sum_rows(seq_dev))
-        totals.add_sum(key("seq_dev2"), ctx.sum_rows(seq_dev * seq_dev))
+        ctx.add_centred_moments(key("seq_dev"), seq_dev, torch.ones_like(n))
         totals.add_sum(key("seq_hi"), ctx.sum_rows(seq_value > self.hi))
         totals.add_sum(key("seq_lo"), ctx.sum_rows(seq_value < self.lo))
         totals.add_max(key("seq_max"), ctx.max_rows(seq_value))
@@ -86,8 +85,8 @@ class RatioMetrics:
         mean_w = per_count(t.sum(key("w")), tokens)  # float64: the spread below cancels safely
         mean_w2 = per_count(t.sum(key("w2")), tokens)
         variance = (mean_w2 - mean_w * mean_w).clamp(min=0.0)
-        seq_dev, seq_dev2 = t.sum(key("seq_dev")), t.sum(key("seq_dev2"))
-        seq_var = (seq_dev2 - seq_dev * seq_dev / seqs.clamp(min=1)).clamp(min=0.0) / (seqs - 1).clamp(min=1)
+        seq_dev = t.sum(key("seq_dev/s"))
+        seq_var = ctx.centred_sum_of_squares(key("seq_dev"), seqs) / (seqs - 1).clamp(min=1)
         out = {
             "mean": per_count(t.sum(key("v")), tokens),
             "max": finite_or_zero(v_max),

@@ -187,27 +187,28 @@ class DivergenceMetrics:
             totals.add_min(k + "min", min_all(rows.min(k + "min")))
             return
         stat = self.d.statistic_row(ctx)
-        stat64 = torch.where(ctx.nonempty_row, stat.double(), 0.0)
         high, low = self._high_low(stat)
         rejected = ~self.d.keep_row
-        totals.add_sum(k + "stat", (n * stat64).sum())
-        totals.add_sum(k + "stat2", (n * stat64 * stat64).sum())
+        ctx.add_centred_moments(k + "stat", stat, n)
         totals.add_sum(k + "hi", ctx.sum_rows(high))
         totals.add_sum(k + "lo", ctx.sum_rows(low))
         totals.add_sum(k + "rejected", torch.where(rejected, n, 0.0).sum())
         totals.add_sum(k + "rejected_rows", ctx.sum_rows(rejected))
         totals.add_max(k + "max", ctx.max_rows(stat))
         totals.add_min(k + "min", ctx.min_rows(stat))
-        totals.add_sum(k + "seq_stat", ctx.sum_rows(stat64))
-        totals.add_sum(k + "seq_stat2", ctx.sum_rows(stat64 * stat64))
+        ctx.add_centred_moments(k + "seq_stat", stat, torch.ones_like(n))
         totals.add_max(k + "seq_max_deviation", ctx.max_rows(stat.abs()))
 
     def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
         t, k, tokens, seqs = ctx.totals, self.key, ctx.num_tokens, ctx.num_rows
         sequence_level = self.d.rule.is_sequence_level
         frac_den = seqs if sequence_level else tokens
-        mean = per_count(t.sum(k + "stat"), tokens)
-        variance = (per_count(t.sum(k + "stat2"), tokens) - mean * mean).clamp(min=0.0)
+        if sequence_level:
+            mean = per_count(t.sum(k + "stat/s"), tokens)
+            variance = per_count(ctx.centred_sum_of_squares(k + "stat", tokens), tokens)
+        else:
+            mean = per_count(t.sum(k + "stat"), tokens)
+            variance = (per_count(t.sum(k + "stat2"), tokens) - mean * mean).clamp(min=0.0)
         out = {
             "mean": mean,
             "max": finite_or_zero(t.max(k + "max")),
@@ -219,10 +220,9 @@ class DivergenceMetrics:
             "seq_masked_fraction": per_count(t.sum(k + "rejected_rows"), seqs),
         }
         if sequence_level:
-            s1, s2 = t.sum(k + "seq_stat"), t.sum(k + "seq_stat2")
-            seq_var = (s2 - s1 * s1 / seqs.clamp(min=1)).clamp(min=0.0) / (seqs - 1).clamp(min=1)
+            seq_var = ctx.centred_sum_of_squares(k + "seq_stat", seqs) / (seqs - 1).clamp(min=1)
             out.update({
-                "seq_mean": per_count(s1, seqs),
+                "seq_mean": per_count(t.sum(k + "seq_stat/s"), seqs),
                 "seq_std": torch.where(seqs > 1, seq_var.sqrt(), 0.0),
                 "seq_max": out["max"],
                 "seq_min": out["min"],

@@ -269,3 +269,23 @@ def test_weights_are_detached():
     old.requires_grad_(True)
     out = compute_rollout_correction(old, rollout, mask, CFG)
     assert not out.is_weights.requires_grad
+
+
+@pytest.mark.parametrize("copies", [1, 3])
+def test_equal_sequence_statistics_have_exactly_zero_spread(copies):
+    """One sequence, or identical sequences (duplicate GRPO responses): every spread of a
+    per-sequence value is exactly 0, not the rounding left by sum x^2 - (sum x)^2 / n on large x."""
+    g = torch.Generator().manual_seed(5)
+    rollout = -torch.rand(1, 300, generator=g) * 3 - 0.5
+    old = rollout + 0.6 * torch.randn(1, 300, generator=g)  # large sequence statistics (k3 sum ~ 60)
+    old, rollout = old.clamp(max=0).repeat(copies, 1), rollout.repeat(copies, 1)
+    mask = torch.ones(copies, 300)
+    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=1e9,
+                                  rollout_rs="seq_sum_k3,seq_mean_k2,seq_max_k3",
+                                  rollout_rs_threshold="1e6,1e6,1e6")
+    metrics = compute_rollout_correction(old, rollout, mask, cfg).metrics
+    assert metrics["rollout_corr/rollout_rs_seq_sum_k3_mean"].item() > 10.0
+    for option in ("seq_sum_k3", "seq_mean_k2", "seq_max_k3"):
+        assert metrics[f"rollout_corr/rollout_rs_{option}_std"].item() == 0.0, option
+        assert metrics[f"rollout_corr/rollout_rs_{option}_seq_std"].item() == 0.0, option
+    assert metrics["rollout_corr/rollout_is_seq_std"].item() == 0.0
