@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_rlcorr.config import RolloutCorrectionConfig
-from megatron_rlcorr.correction import compute_rollout_correction
+from megatron_rlcorr.correction import compute_rollout_correction, core
 from tests.reference import (Batch, RefResult, clean_batch, compare_metrics, cu_seqlens_of,
                              padded_to_packed, parse_config, reference_correction)
 
@@ -124,6 +124,30 @@ def test_matches_reference(name, variant):
     out, pack = _run(batch, kwargs, layout)
     input_mask = batch.mask if pack is None else pack[3]
     assert_matches_reference(out, ref, kwargs, input_mask, pack)
+
+
+# Small and odd shapes (one row, one-token rows, many short rows) with CPU row blocks of every size.
+SHAPES = [(1, 1), (1, 7), (1, 200), (2, 1), (3, 64), (40, 7)]
+
+
+@pytest.mark.parametrize("block_tokens", [1, 64, 1 << 18])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{b}x{t}" for b, t in SHAPES])
+def test_odd_shapes_match_reference(monkeypatch, shape, block_tokens):
+    monkeypatch.setattr(core, "CPU_BLOCK_TOKENS", block_tokens)
+    rows, max_len = shape
+    checked = 0
+    for i, name in enumerate(CONFIGS):
+        variant = list(VARIANTS)[i % len(VARIANTS)]
+        seed, dtype, mask_dtype, layout = VARIANTS[variant]
+        kwargs = CONFIGS[name]
+        batch, ref = clean_batch(1000 * rows + 10 * max_len + i, kwargs, batch=rows, max_len=max_len,
+                                 dtype=dtype, mask_dtype=mask_dtype, catastrophic=0.01, empty_rows=False)
+        out, pack = _run(batch, kwargs, layout, check_inputs=i % 2 == 0)
+        if not ref.metrics:  # no valid token at all (mask holes): the reference reports no metrics
+            continue
+        assert_matches_reference(out, ref, kwargs, batch.mask if pack is None else pack[3], pack)
+        checked += 1
+    assert checked >= len(CONFIGS) // 2
 
 
 @pytest.mark.parametrize("name", ["token_is_bn", "dapo", "k1_max_k3_string", "seq_sum_k1"])
