@@ -60,11 +60,6 @@ class Segments:
         out = torch.full((self.num_rows + 1,), float("inf"), dtype=x_tok.dtype, device=x_tok.device)
         return out.scatter_reduce_(0, self.row_of_token, x_tok, reduce="amin")[: self.num_rows]
 
-    def row_aminmax(self, x_tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[rows] (min, max) of a per-token tensor whose masked positions cannot be extremes.
-        Two reductions, not `torch.aminmax`: along a dim that one is ~8x slower on CPUs."""
-        return self.row_min(x_tok), self.row_max(x_tok)
-
     def to_tokens(self, x_row: torch.Tensor) -> torch.Tensor:
         """Broadcast a [rows] tensor to the token layout."""
         if not self.is_packed:
