@@ -11,6 +11,7 @@ import argparse
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from .recipe import Recipe, load_recipe
 
 EXIT_BAD_RECIPE = 2
+REPORT_GRACE_S = 10.0  # how long ranks other than 0 wait, on a bad recipe, for rank 0 to report it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         if rank == 0:
             print(f"error: recipe {args.config}: {err}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops all workers as soon as one exits non-zero: without this wait, a rank
+            # that finished its check first could get rank 0 killed before it printed the error.
+            time.sleep(REPORT_GRACE_S)
         return EXIT_BAD_RECIPE
     return run(recipe)
 

@@ -132,13 +132,14 @@ class Context:
         shifted = torch.add(x_tok, self._inv_mask, alpha=MASK_OFFSET, out=self.scratch)
         return torch.where(self.local_n_row > 0, self.seg.row_min(shifted), float("inf"))
 
-    # ---- phase 2 views (valid after rows are reduced over CP) ----
+    # ---- phase 2 views (valid after rows are reduced over CP; the derived ones are computed once,
+    # as every family reads them) ----
     @property
     def n_row(self) -> torch.Tensor:
         """float64 [rows]: valid tokens of each whole sequence."""
         return self.rows.sum("n")
 
-    @property
+    @cached_property
     def nonempty_row(self) -> torch.Tensor:
         return self.n_row > 0
 
@@ -147,7 +148,7 @@ class Context:
         """float64 [rows]: S_i, the unclamped log-ratio summed over the whole sequence."""
         return self.rows.sum("log_ratio")
 
-    @property
+    @cached_property
     def log_ratio_mean_row(self) -> torch.Tensor:
         return self.log_ratio_sum_row / self.n_row.clamp(min=1)
 

@@ -99,8 +99,17 @@ def compute_rollout_correction(
     return CorrectionResult(
         is_weights=is_weights,
         response_mask=out_mask,
-        metrics={METRIC_PREFIX + name: value.float() for name, value in metrics.items()},
+        metrics=_float32_metrics(metrics),
     )
+
+
+def _float32_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """"rollout_corr/<name>" -> 0-d float32, converted in one op rather than one per metric
+    (each op is a kernel launch on a GPU)."""
+    if not metrics:
+        return {}
+    values = torch.stack([value.to(torch.float64) for value in metrics.values()]).float()
+    return {METRIC_PREFIX + name: value for name, value in zip(metrics, values.unbind())}
 
 
 def _sequence_decisions(rejection: Rejection | None, veto: Veto) -> torch.Tensor | None:
