@@ -39,6 +39,10 @@ class ParallelSettings:
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
 
+    def layout(self, world_size: int) -> dict[str, int | None]:
+        """What a per-rank checkpoint depends on: which rank holds which shard."""
+        return {"world_size": world_size, "tp": self.tp, "pp": self.pp, "cp": self.cp, "vpp": self.vpp}
+
     def data_parallel_size(self, world_size: int) -> int:
         if world_size % self.model_parallel_size:
             raise ValueError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*"
@@ -149,6 +153,11 @@ class Recipe:
     optim: OptimSettings
     trainer: TrainerSettings
     raw: dict = field(default_factory=dict, repr=False)  # the resolved YAML tree, saved with each run
+
+    @property
+    def run_dir(self) -> Path:
+        """<trainer.output_dir>/<name>: metrics, checkpoints and the resolved recipe of the run."""
+        return Path(self.trainer.output_dir) / self.name
 
     def check_layout(self, world_size: int) -> int:
         """Validate the layout against the launch; returns the data-parallel size."""

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .checkpoint import check_resumable
 from .recipe import Recipe, load_recipe
 
 EXIT_BAD_RECIPE = 2
@@ -34,6 +35,8 @@ def load_and_check(config: str, overrides: list[str], world_size: int) -> Recipe
     """The validated recipe; ValueError naming the key and the fix otherwise."""
     recipe = load_recipe(config, overrides)
     recipe.check_layout(world_size)
+    if recipe.trainer.resume:
+        check_resumable(recipe.run_dir, recipe.parallel.layout(world_size))
     return recipe
 
 

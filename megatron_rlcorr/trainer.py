@@ -50,10 +50,6 @@ def decoder_shape(model_cfg) -> DecoderShape:
                         kv_channels=model_cfg.kv_channels)
 
 
-def run_dir_of(recipe: Recipe) -> Path:
-    return Path(recipe.trainer.output_dir) / recipe.name
-
-
 class Trainer:
     """Builds the model, optimizer, engine and task for `recipe` on the given groups; `run()` trains."""
 
@@ -62,7 +58,7 @@ class Trainer:
         self.dp_size = recipe.check_layout(dist.get_world_size())
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.run_dir = run_dir_of(recipe)
+        self.run_dir = recipe.run_dir
         self.rank0 = dist.get_rank() == 0
         self.task = get_task(recipe.data.task, **recipe.data.task_args)
         self.groups_per_rank = recipe.data.prompts_per_step // self.dp_size
@@ -191,7 +187,10 @@ class Trainer:
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.raw, sort_keys=False))
-        return checkpoint.save(self.run_dir, step, state)
+        return checkpoint.save(self.run_dir, step, state, self._layout())
+
+    def _layout(self) -> dict:
+        return self.recipe.parallel.layout(dist.get_world_size())
 
     def _restore_or_start(self) -> int:
         """The step to continue from: the latest checkpoint's with trainer.resume, else 0."""
@@ -204,6 +203,7 @@ class Trainer:
             return 0
         from megatron.core import tensor_parallel
 
+        checkpoint.check_resumable(self.run_dir, self._layout())
         state = checkpoint.load(self.run_dir, latest)
         for chunk, chunk_state in zip(self.model, state["model"]):
             chunk.load_state_dict(chunk_state)

@@ -61,8 +61,10 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
         # bf16 rollout vs fp32 training: a small but real mismatch.
         assert 0 < record["rollout_corr/k3_kl"] < 1e-2
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "3"
-    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_000003").iterdir()) == \
-        ["rank_00000.pt", "rank_00001.pt"]
+    step_dir = run_dir / "checkpoints" / "step_000003"
+    assert sorted(p.name for p in step_dir.iterdir()) == ["layout.json", "rank_00000.pt", "rank_00001.pt"]
+    assert json.loads((step_dir / "layout.json").read_text()) == {"world_size": 2, "tp": 1, "pp": 1, "cp": 1,
+                                                                  "vpp": None}
 
 
 def _train_runs(rank, world_size, runs):
