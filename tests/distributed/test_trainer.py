@@ -152,3 +152,33 @@ def test_tp_pp_cp_replicas_train_on_identical_rollouts(tmp_path):
             assert first[key] == ref[key], key
         for key in ("loss", "rollout_corr/k3_kl", "rollout_corr/rollout_is_mean", "grad_norm"):
             assert first[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), key
+
+
+def _resume_on_other_layout(rank, world_size, tmp_path):
+    """dp=2 writes a checkpoint; a tp=2 trainer on the same run directory must refuse it."""
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
+    from megatron_rlcorr.recipe import load_recipe
+    from megatron_rlcorr.trainer import train
+
+    enable_cpu_megatron()
+    common = [*SMALL, "name=layout", f"trainer.output_dir={tmp_path}", "trainer.steps=1"]
+    groups = build_parallel_groups(1, 1, 1, None)
+    try:
+        train(load_recipe(TINY, common), groups)
+    finally:
+        destroy_parallel_groups()
+    groups = build_parallel_groups(2, 1, 1, None)
+    try:
+        train(load_recipe(TINY, [*common, "parallel.tp=2", "trainer.steps=2"]), groups)
+    except ValueError as err:
+        return str(err)
+    finally:
+        destroy_parallel_groups()
+    return None
+
+
+def test_trainer_refuses_a_checkpoint_of_another_layout(tmp_path):
+    errors = run_distributed(_resume_on_other_layout, 2, tmp_path)
+    for error in errors:  # every rank refuses, none loads a mismatched shard or hangs
+        assert error is not None and "tp=1" in error and "tp=2" in error and "trainer.resume=false" in error
