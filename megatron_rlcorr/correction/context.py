@@ -161,6 +161,22 @@ class Context:
     def num_rows(self) -> torch.Tensor:
         return self.totals.sum("rows")
 
+    @cached_property
+    def _token_divisor(self) -> torch.Tensor:
+        return self.num_tokens.clamp(min=1)
+
+    @cached_property
+    def _row_divisor(self) -> torch.Tensor:
+        return self.num_rows.clamp(min=1)
+
+    def per_token(self, total: torch.Tensor) -> torch.Tensor:
+        """total / valid tokens of the batch; 0 for a batch without any (total is 0 then)."""
+        return total / self._token_divisor
+
+    def per_row(self, total: torch.Tensor) -> torch.Tensor:
+        """total / non-empty sequences of the batch; 0 for a batch without any."""
+        return total / self._row_divisor
+
     def sum_rows(self, x_row: torch.Tensor) -> torch.Tensor:
         """0-d float64 sum over this rank's non-empty sequences."""
         return torch.where(self.nonempty_row, x_row.to(torch.float64), 0.0).sum()
@@ -209,11 +225,6 @@ def finite(x: torch.Tensor, *, inplace: bool = False, out: torch.Tensor | None =
     """NaN -> 0 and +-inf -> +-1e30, so that a multiply by the 0/1 mask clears masked garbage
     (inf * 0 would be NaN). Valid positions are finite whenever the inputs pass validation."""
     return torch.nan_to_num(x, nan=0.0, posinf=INF_STANDIN, neginf=-INF_STANDIN, out=x if inplace else out)
-
-
-def per_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """total / count for a count of tokens or sequences; 0 for an empty batch (total is 0 then)."""
-    return total / count.clamp(min=1)
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:

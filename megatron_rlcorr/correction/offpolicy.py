@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .context import LOG_RATIO_BOUND, Context, finite, finite_or_zero, per_count
+from .context import LOG_RATIO_BOUND, Context, finite, finite_or_zero
 
 
 class OffPolicyMetrics:
@@ -47,16 +47,16 @@ class OffPolicyMetrics:
 
     def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
         t, tokens, seqs = ctx.totals, ctx.num_tokens, ctx.num_rows
-        per_seq = {name: per_count(t.sum(f"offpolicy/{name}"), seqs)
+        per_seq = {name: ctx.per_row(t.sum(f"offpolicy/{name}"))
                    for name in ("training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "ppl_ratio")}
         return {
-            "kl": -per_count(t.sum("offpolicy/log_ratio"), tokens),
-            "k3_kl": per_count(t.sum("offpolicy/k3"), tokens),
+            "kl": -ctx.per_token(t.sum("offpolicy/log_ratio")),
+            "k3_kl": ctx.per_token(t.sum("offpolicy/k3")),
             **per_seq,
-            "log_ppl_diff": per_count(t.sum("offpolicy/diff"), seqs),
-            "log_ppl_abs_diff": per_count(t.sum("offpolicy/abs_diff"), seqs),
+            "log_ppl_diff": ctx.per_row(t.sum("offpolicy/diff")),
+            "log_ppl_abs_diff": ctx.per_row(t.sum("offpolicy/abs_diff")),
             "log_ppl_diff_max": finite_or_zero(t.max("offpolicy/diff_max")),
             "log_ppl_diff_min": finite_or_zero(t.min("offpolicy/diff_min")),
-            "chi2_token": per_count(t.sum("offpolicy/rho2_minus_one"), tokens),
-            "chi2_seq": per_count(t.sum("offpolicy/rho2_seq"), seqs) - (seqs > 0).double(),
+            "chi2_token": ctx.per_token(t.sum("offpolicy/rho2_minus_one")),
+            "chi2_seq": ctx.per_row(t.sum("offpolicy/rho2_seq")) - (seqs > 0).double(),
         }

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from .context import LOG_RATIO_BOUND, Context, finite_or_zero, max_all, min_all, per_count
+from .context import LOG_RATIO_BOUND, Context, finite_or_zero, max_all, min_all
 
 RatioLevel = Literal["token", "seq_sum", "seq_mean"]
 
@@ -76,31 +76,31 @@ class RatioMetrics:
 
     def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
         t, key, tokens, seqs = ctx.totals, self._key, ctx.num_tokens, ctx.num_rows
-        frac_den = tokens if self.level == "token" else seqs
+        per_frac = ctx.per_token if self.level == "token" else ctx.per_row
         if self.level == "token":  # extremes of the token ratio exp(clamp20(lr))
             v_max, v_min = t.max(key("max")), t.min(key("min"))
         else:  # extremes of the unclamped sequence log-ratio (the seed's definition)
             v_max = t.max(key("max")).clamp(max=LOG_RATIO_BOUND).exp()
             v_min = t.min(key("min")).exp()
-        mean_w = per_count(t.sum(key("w")), tokens)  # float64: the spread below cancels safely
-        mean_w2 = per_count(t.sum(key("w2")), tokens)
+        mean_w = ctx.per_token(t.sum(key("w")))  # float64: the spread below cancels safely
+        mean_w2 = ctx.per_token(t.sum(key("w2")))
         variance = (mean_w2 - mean_w * mean_w).clamp(min=0.0)
         seq_dev = t.sum(key("seq_dev/s"))
         seq_var = ctx.centred_sum_of_squares(key("seq_dev"), seqs) / (seqs - 1).clamp(min=1)
         out = {
-            "mean": per_count(t.sum(key("v")), tokens),
+            "mean": ctx.per_token(t.sum(key("v"))),
             "max": finite_or_zero(v_max),
             "min": finite_or_zero(v_min),
             "std": torch.where(tokens > 1, variance.sqrt(), 0.0),
             "eff_sample_size": torch.where(tokens > 0, (mean_w + 1e-8) ** 2 / mean_w2.clamp(min=1e-300), 1.0),
-            "ratio_fraction_high": per_count(t.sum(key("hi")), frac_den),
-            "ratio_fraction_low": per_count(t.sum(key("lo")), frac_den),
-            "seq_mean": torch.where(seqs > 0, 1.0 + per_count(seq_dev, seqs), 0.0),
+            "ratio_fraction_high": per_frac(t.sum(key("hi"))),
+            "ratio_fraction_low": per_frac(t.sum(key("lo"))),
+            "seq_mean": torch.where(seqs > 0, 1.0 + ctx.per_row(seq_dev), 0.0),
             "seq_std": torch.where(seqs > 1, seq_var.sqrt(), 0.0),
             "seq_max": finite_or_zero(t.max(key("seq_max"))),
             "seq_min": finite_or_zero(t.min(key("seq_min"))),
             "seq_max_deviation": finite_or_zero(t.max(key("seq_max_deviation"))),
-            "seq_fraction_high": per_count(t.sum(key("seq_hi")), seqs),
-            "seq_fraction_low": per_count(t.sum(key("seq_lo")), seqs),
+            "seq_fraction_high": ctx.per_row(t.sum(key("seq_hi"))),
+            "seq_fraction_low": ctx.per_row(t.sum(key("seq_lo"))),
         }
         return {key(name): value for name, value in out.items()}

@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..config import RejectionRule, RolloutCorrectionConfig
-from .context import Context, finite_or_zero, max_all, min_all, per_count
+from .context import Context, finite_or_zero, max_all, min_all
 from .ratio_metrics import RatioMetrics
 
 
@@ -112,8 +112,8 @@ class Rejection:
 
     def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
         out = {
-            "rollout_rs_masked_fraction": per_count(ctx.totals.sum("rs/lost_tokens"), ctx.num_tokens),
-            "rollout_rs_seq_masked_fraction": per_count(ctx.totals.sum("rs/lost_rows"), ctx.num_rows),
+            "rollout_rs_masked_fraction": ctx.per_token(ctx.totals.sum("rs/lost_tokens")),
+            "rollout_rs_seq_masked_fraction": ctx.per_row(ctx.totals.sum("rs/lost_rows")),
         }
         if self.ratio_family is not None:
             out.update(self.ratio_family.metrics(ctx))
@@ -202,27 +202,27 @@ class DivergenceMetrics:
     def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
         t, k, tokens, seqs = ctx.totals, self.key, ctx.num_tokens, ctx.num_rows
         sequence_level = self.d.rule.is_sequence_level
-        frac_den = seqs if sequence_level else tokens
+        per_frac = ctx.per_row if sequence_level else ctx.per_token
         if sequence_level:
-            mean = per_count(t.sum(k + "stat/s"), tokens)
-            variance = per_count(ctx.centred_sum_of_squares(k + "stat", tokens), tokens)
+            mean = ctx.per_token(t.sum(k + "stat/s"))
+            variance = ctx.per_token(ctx.centred_sum_of_squares(k + "stat", tokens))
         else:
-            mean = per_count(t.sum(k + "stat"), tokens)
-            variance = (per_count(t.sum(k + "stat2"), tokens) - mean * mean).clamp(min=0.0)
+            mean = ctx.per_token(t.sum(k + "stat"))
+            variance = (ctx.per_token(t.sum(k + "stat2")) - mean * mean).clamp(min=0.0)
         out = {
             "mean": mean,
             "max": finite_or_zero(t.max(k + "max")),
             "min": finite_or_zero(t.min(k + "min")),
             "std": torch.where(tokens > 1, variance.sqrt(), 0.0),
-            "fraction_high": per_count(t.sum(k + "hi"), frac_den),
-            "fraction_low": per_count(t.sum(k + "lo"), frac_den),
-            "masked_fraction": per_count(t.sum(k + "rejected"), tokens),
-            "seq_masked_fraction": per_count(t.sum(k + "rejected_rows"), seqs),
+            "fraction_high": per_frac(t.sum(k + "hi")),
+            "fraction_low": per_frac(t.sum(k + "lo")),
+            "masked_fraction": ctx.per_token(t.sum(k + "rejected")),
+            "seq_masked_fraction": ctx.per_row(t.sum(k + "rejected_rows")),
         }
         if sequence_level:
             seq_var = ctx.centred_sum_of_squares(k + "seq_stat", seqs) / (seqs - 1).clamp(min=1)
             out.update({
-                "seq_mean": per_count(t.sum(k + "seq_stat/s"), seqs),
+                "seq_mean": ctx.per_row(t.sum(k + "seq_stat/s")),
                 "seq_std": torch.where(seqs > 1, seq_var.sqrt(), 0.0),
                 "seq_max": out["max"],
                 "seq_min": out["min"],
@@ -258,6 +258,6 @@ class Veto:
             zero = ctx.num_tokens.new_zeros(())
             return {"rollout_is_veto_fraction": zero, "rollout_is_catastrophic_token_fraction": zero}
         return {
-            "rollout_is_veto_fraction": per_count(ctx.totals.sum("veto/rows"), ctx.num_rows),
-            "rollout_is_catastrophic_token_fraction": per_count(ctx.totals.sum("veto/tokens"), ctx.num_tokens),
+            "rollout_is_veto_fraction": ctx.per_row(ctx.totals.sum("veto/rows")),
+            "rollout_is_catastrophic_token_fraction": ctx.per_token(ctx.totals.sum("veto/tokens")),
         }

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..config import RolloutCorrectionConfig
-from .context import Context, exp_clamped, per_count
+from .context import Context, exp_clamped
 from .ratio_metrics import RatioMetrics
 
 BATCH_NORM_MIN_MEAN = 1e-8
@@ -42,8 +42,8 @@ class ImportanceWeights:
         self.norm_factor = None
         if self.batch_normalize:
             # token level: mean over valid tokens; sequence level: mean over non-empty sequences.
-            count = ctx.num_tokens if self.level == "token" else ctx.num_rows
-            mean = per_count(ctx.totals.sum("is/truncated"), count)
+            per = ctx.per_token if self.level == "token" else ctx.per_row
+            mean = per(ctx.totals.sum("is/truncated"))
             self.norm_factor = torch.where(mean > BATCH_NORM_MIN_MEAN, mean, 1.0)
             out["rollout_is_batch_norm_factor"] = self.norm_factor
         return out
