@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .architecture import attention_head_dim, check_positive, check_positive_ints
 from .config import did_you_mean
 from .schema import coerce
 
@@ -102,25 +103,11 @@ class ModelConfig:
             object.__setattr__(self, "params_dtype", "bfloat16" if self.bf16 else "float32")
         if isinstance(self.fp8, Mapping):
             object.__setattr__(self, "fp8", _from_mapping(Fp8Config, self.fp8, "fp8"))
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                     "ffn_hidden_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("rotary_base", "norm_epsilon", "init_method_std"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"num_query_groups ({self.num_query_groups}) must divide num_attention_heads "
-                             f"({self.num_attention_heads})")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                             f"({self.num_attention_heads}); or set kv_channels (the head dimension)")
-        if self.kv_channels is not None and self.kv_channels < 1:
-            raise ValueError(f"kv_channels must be a positive integer or null, got {self.kv_channels!r}")
-        if self.head_dim % 2:
-            raise ValueError(f"the head dimension ({self.head_dim}) must be even for rotary embeddings; "
-                             "change hidden_size/num_attention_heads or kv_channels")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                                   "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
+                                   "make_vocab_size_divisible_by"))
+        check_positive(self, ("rotary_base", "norm_epsilon", "init_method_std"))
+        attention_head_dim(self.hidden_size, self.num_attention_heads, self.num_query_groups, self.kv_channels)
         _check_choice("params_dtype", self.params_dtype, ParamsDtype)
         if self.params_dtype != ("bfloat16" if self.bf16 else "float32"):
             raise ValueError(f"params_dtype={self.params_dtype!r} does not match bf16={self.bf16}: use "

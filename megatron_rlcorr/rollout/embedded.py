@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..architecture import attention_head_dim, check_positive, check_positive_ints
 from .base import FinishReason, LogprobsMode, Precision, RolloutBatch
 from .precision import fp8_e4m3_qdq
 
@@ -48,20 +49,10 @@ class DecoderShape:
     kv_channels: int | None = None  # head dim; None = hidden_size // num_attention_heads
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                     "ffn_hidden_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_query_groups ({self.num_query_groups})")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                             f"({self.num_attention_heads}), or set kv_channels")
-        if self.head_dim % 2:
-            raise ValueError(f"the head dimension must be even for rotary embeddings, got {self.head_dim}")
-        if self.rotary_base <= 0 or self.norm_epsilon <= 0:
-            raise ValueError(f"rotary_base and norm_epsilon must be > 0, got {self.rotary_base}, {self.norm_epsilon}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                                   "num_query_groups", "ffn_hidden_size"))
+        check_positive(self, ("rotary_base", "norm_epsilon"))
+        attention_head_dim(self.hidden_size, self.num_attention_heads, self.num_query_groups, self.kv_channels)
 
     @property
     def head_dim(self) -> int:

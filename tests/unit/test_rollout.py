@@ -265,6 +265,13 @@ def test_decoder_shape_validation():
     with pytest.raises(ValueError, match="even"):
         DecoderShape(10, 12, 1, 4, 4, 64)
     assert DecoderShape(10, 32, 1, 4, 2, 64, kv_channels=16).head_dim == 16
+    # the training model's config applies the same rules, with the same messages
+    with pytest.raises(ValueError, match=r"hidden_size \(30\) must be divisible by num_attention_heads \(4\)"):
+        DecoderShape(10, 30, 1, 4, 4, 64)
+    with pytest.raises(ValueError, match="num_layers must be a positive integer"):
+        DecoderShape(10, 32, 0, 4, 4, 64)
+    with pytest.raises(ValueError, match="norm_epsilon must be > 0"):
+        DecoderShape(10, 32, 1, 4, 4, 64, norm_epsilon=0.0)
 
 
 @pytest.mark.parametrize("kwargs, field", [
