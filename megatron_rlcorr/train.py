@@ -46,12 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_and_check(args.config, args.overrides, world_size)
     except ValueError as err:
-        if rank == 0:
-            print(f"error: recipe {args.config}: {err}", file=sys.stderr, flush=True)
-        else:
-            # torchrun stops all workers as soon as one exits non-zero: without this wait, a rank
-            # that finished its check first could get rank 0 killed before it printed the error.
+        where = ""
+        if rank != 0:
+            # Rank 0 reports. torchrun stops all workers as soon as one exits non-zero, so a rank
+            # that failed its check first waits: exiting at once could get rank 0 killed before it
+            # printed. Still alive after the wait, rank 0 must have passed (e.g. it sees another
+            # filesystem): then this rank reports its own error.
             time.sleep(REPORT_GRACE_S)
+            where = f" (rank {rank})"
+        print(f"error: recipe {args.config}{where}: {err}", file=sys.stderr, flush=True)
         return EXIT_BAD_RECIPE
     return run(recipe)
 

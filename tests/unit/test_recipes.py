@@ -116,3 +116,13 @@ def test_bypass_pg_batch_norm_needs_one_micro_batch_per_rank():
     assert load_recipe(TINY, overrides[:2] + ["trainer.micro_batch_size=64"]).check_layout(2) == 2
     relaxed = overrides + ["algorithm.rollout_correction.rollout_is_batch_normalize=false"]
     assert load_recipe(TINY, relaxed).check_layout(2) == 2
+
+
+def test_other_ranks_report_a_bad_recipe_after_rank_0_had_time_to(monkeypatch, capsys):
+    naps = []
+    monkeypatch.setattr(train.time, "sleep", naps.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert train.main(["--config", str(TINY), "trainer.stpes=3"]) == train.EXIT_BAD_RECIPE
+    assert naps == [train.REPORT_GRACE_S]  # under torchrun, rank 0's exit stops this rank here
+    assert capsys.readouterr().err.startswith(f"error: recipe {TINY} (rank 1): ")
