@@ -120,6 +120,17 @@ def test_bad_cu_seqlens(cu, why):
     assert "cu_seqlens" in str(info.value), why
 
 
+@pytest.mark.parametrize("cu", [[1, 16, 64], [0, 40, 30, 64], [0, 16, 80], [-5, 10, 1000]])
+def test_unchecked_bad_cu_seqlens_never_index_out_of_bounds(cu):
+    """check_inputs=False promises valid offsets; broken ones give meaningless numbers, never a
+    read or write outside the tensors (offsets are clamped into [0, N] and made non-decreasing)."""
+    old, rollout, mask = (x.flatten() for x in _inputs())
+    out = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig(**FULL),
+                                     cu_seqlens=torch.tensor(cu, dtype=torch.int32), check_inputs=False)
+    assert out.response_mask.shape == mask.shape and out.is_weights.shape == mask.shape
+    assert all(value.dim() == 0 for value in out.metrics.values())
+
+
 def test_cu_seqlens_without_sequences():
     """cu_seqlens == [0]: no sequence, every token trailing padding. Either a ValueError naming
     cu_seqlens or an all-empty result; never a crash inside the math."""
