@@ -17,6 +17,7 @@ from megatron_rlcorr.parallel.context import (
     split_packed_for_cp,
 )
 from tests.dist import run_distributed
+from tests.unit.test_losses import make_batch as make_loss_batch
 
 DP, CP = 2, 2
 T = 12
@@ -30,20 +31,7 @@ CASES = [(loss_type, agg) for loss_type in ("ppo_clip", "policy_gradient")
 
 
 def make_batch():
-    gen = torch.Generator().manual_seed(11)
-    shape = (len(LENGTHS), T)
-    mask = torch.arange(T) < torch.tensor(LENGTHS).unsqueeze(1)
-    batch = {
-        "log_prob": -2 * torch.rand(shape, generator=gen),
-        "old_log_prob": -2 * torch.rand(shape, generator=gen),
-        "advantages": torch.randn(shape, generator=gen),
-        "is_weights": 2 * torch.rand(shape, generator=gen),
-        "entropy": 3 * torch.rand(shape, generator=gen),
-    }
-    batch["old_log_prob"][0, :2] -= 1.5  # ratios past the clip range
-    batch = {k: torch.where(mask, v, float("nan")) for k, v in batch.items()}  # garbage when masked
-    batch["loss_mask"] = mask.float()
-    return batch
+    return make_loss_batch(seed=11, lengths=LENGTHS, seq_len=T)
 
 
 def config(loss_type, agg_mode):

@@ -23,11 +23,11 @@ T = 9
 
 # ---- data and a float64 reference written token by token ----
 
-def make_batch(seed=0, lengths=LENGTHS):
+def make_batch(seed=0, lengths=LENGTHS, seq_len=T):
     """Padded [B, T] batch whose masked positions hold garbage; valid tokens form a prefix of each row."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (len(lengths), T)
-    mask = torch.arange(T) < torch.tensor(lengths).unsqueeze(1)
+    shape = (len(lengths), seq_len)
+    mask = torch.arange(seq_len) < torch.tensor(lengths).unsqueeze(1)
     batch = {
         "log_prob": -2 * torch.rand(shape, generator=gen),
         "old_log_prob": -2 * torch.rand(shape, generator=gen),
