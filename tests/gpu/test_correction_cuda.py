@@ -15,10 +15,11 @@ CONFIGS = {
     "token": RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold_lower=0.5, rollout_is_batch_normalize=True,
                                      rollout_rs="token", rollout_rs_threshold=3.0),
     "divergence": RolloutCorrectionConfig(rollout_rs="token_k1,seq_max_k3,seq_mean_k2", rollout_rs_threshold="0.5_2.0,1.0,0.01"),
+    "token_is_only": RolloutCorrectionConfig(rollout_is="token"),  # no rule can reject: the input mask returns
 }
 
 
-def _inputs(device, packed=False):
+def _inputs(device):
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(16, 256, generator=g) * 3
     rollout = (old + 0.05 * torch.randn(16, 256, generator=g)).clamp(max=0)
@@ -26,15 +27,29 @@ def _inputs(device, packed=False):
     return old.to(device), rollout.to(device), mask.to(device)
 
 
+def _packed(old, rollout, mask, trailing=7):
+    """The valid tokens of each row back to back, then `trailing` tokens of no sequence."""
+    keep = mask.bool()
+    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
+    cu[1:] = mask.sum(-1).cumsum(0)
+    pad = old.new_zeros(trailing)
+    return (torch.cat([old[keep], pad]), torch.cat([rollout[keep], pad]), torch.cat([mask[keep], pad.fill_(1.0)])), cu
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_cuda_matches_cpu_and_never_syncs(name):
+def test_cuda_matches_cpu_and_never_syncs(name, packed):
     cfg = CONFIGS[name]
-    cpu = compute_rollout_correction(*_inputs("cpu"), cfg)
-    inputs = _inputs("cuda")
+    cpu_inputs, gpu_inputs = _inputs("cpu"), _inputs("cuda")
+    cpu_cu = gpu_cu = None
+    if packed:
+        cpu_inputs, cpu_cu = _packed(*cpu_inputs)
+        gpu_inputs, gpu_cu = _packed(*gpu_inputs)
+    cpu = compute_rollout_correction(*cpu_inputs, cfg, cu_seqlens=cpu_cu)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        gpu = compute_rollout_correction(*inputs, cfg, check_inputs=False)
+        gpu = compute_rollout_correction(*gpu_inputs, cfg, cu_seqlens=gpu_cu, check_inputs=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(gpu.response_mask.cpu(), cpu.response_mask)
