@@ -209,14 +209,17 @@ def _parse_size(text: str) -> int:
         raise SystemExit(f"--sizes: cannot read {text!r}; use token counts like 262144 or 256K,1M,4M") from None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="256K,1M,4M", help="token counts, comma-separated (K = 2^10, M = 2^20)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args()
+    parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
+                        help="print the memory-bandwidth floor columns (default: on a GPU only)")
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
-    bandwidth = copy_bandwidth_bytes_per_ms(device) if device.type == "cuda" else None
+    show_floor = device.type == "cuda" if args.floor is None else args.floor
+    bandwidth = copy_bandwidth_bytes_per_ms(device) if show_floor else None
     print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()}")
     header = f"{'setting':<9} {'tokens':>9} {'multi-pass ms':>14} {'ours ms':>9} {'speed-up':>9}"
     if bandwidth:

@@ -43,3 +43,15 @@ def test_parse_size(text, tokens):
 def test_parse_size_names_the_option():
     with pytest.raises(SystemExit, match="--sizes"):
         bench._parse_size("1X")
+
+
+def test_table_with_the_bandwidth_floor(capsys):
+    bench.main(["--sizes", "8K", "--repeats", "1", "--device", "cpu", "--floor"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "floor ms" in lines[1] and "ours/floor" in lines[1]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == set(bench.SETTINGS)
+    for cells in rows.values():
+        tokens, base_ms, ours_ms, speedup, floor_ms, ratio = cells[1:]
+        assert int(tokens) == 8192 and float(base_ms) > 0 and float(ours_ms) > 0 and float(floor_ms) > 0
+        assert speedup.endswith("x") and ratio.endswith("x")
