@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .checkpoint import check_resumable
+from .training.checkpoint import check_resumable
 from .recipe import Recipe, load_recipe
 
 EXIT_BAD_RECIPE = 2
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(recipe: Recipe) -> int:
     from .parallel.cpu import enable_cpu_megatron
     from .parallel.groups import build_parallel_groups, destroy_parallel_groups
-    from .trainer import train
+    from .rl.trainer import train
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

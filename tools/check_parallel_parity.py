@@ -76,7 +76,7 @@ def _synthetic_batch(step: int, model_cfg, init_weights, overconfident: bool = F
     `overconfident`, row `(step + 3) % BATCH` gets a token with rollout log-prob ~0 (ratio ~1/100:
     a veto threshold above ~0.01 rejects the sequence). Position 4 is in every row's response.
     """
-    from megatron_rlcorr.model import reference_forward
+    from megatron_rlcorr.model.reference import reference_forward
 
     gen = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(1, model_cfg.vocab_size, (BATCH, SEQ), generator=gen)
@@ -117,8 +117,8 @@ def micro_batch_sizes(layout: dict, args) -> tuple[int, int]:
 
 def _step_config(args, mbs: int):
     from megatron_rlcorr.config import RolloutCorrectionConfig
-    from megatron_rlcorr.losses import LossConfig
-    from megatron_rlcorr.step import StepConfig
+    from megatron_rlcorr.training.losses import LossConfig
+    from megatron_rlcorr.training.step import StepConfig
 
     pg = args.loss == "pg"
     if args.mode == "decoupled":
@@ -138,12 +138,13 @@ def _step_config(args, mbs: int):
 def run_worker(args) -> None:
     import torch.distributed as dist
 
-    from megatron_rlcorr.model import ModelConfig, export_full_weights, init_full_weights
-    from megatron_rlcorr.optimizer import build_model_and_optimizer
+    from megatron_rlcorr.model.config import ModelConfig
+    from megatron_rlcorr.model.weights import export_full_weights, init_full_weights
+    from megatron_rlcorr.training.optimizer import build_model_and_optimizer
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
-    from megatron_rlcorr.recipe import OptimSettings
-    from megatron_rlcorr.step import StepBatch, compute_old_log_probs, train_minibatch
+    from megatron_rlcorr.training.optimizer import OptimSettings
+    from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs, train_minibatch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

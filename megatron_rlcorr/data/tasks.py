@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -163,6 +163,19 @@ def _read_jsonl(path: Path, prompt_key: str, answer_key: str, tokenizer: CharTok
     if not prompts:
         raise ValueError(f"jsonl task: {path} holds no prompts")
     return prompts
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The recipe's `data:` section: which task or dataset, and how many prompts per step."""
+
+    task: str = "digit_sum"
+    task_args: dict = field(default_factory=dict)
+    prompts_per_step: int = 32  # global, over all data-parallel ranks
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
 
 
 TASKS: dict[str, type] = {

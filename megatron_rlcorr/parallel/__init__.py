@@ -1,1 +1,3 @@
-"""The Megatron side of parallelism: process groups, the CP data layout, CPU support."""
+"""Parallelism: the `parallel:` settings (layout), process groups (groups), the CP data layout
+(context), CP attention without Transformer Engine (cp_attention), and the CPU/gloo path for
+Megatron-Core (cpu)."""

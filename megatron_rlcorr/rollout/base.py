@@ -22,6 +22,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from ..settings import check_choice
+
 EngineName = Literal["embedded", "vllm"]
 Precision = Literal["fp32", "bf16", "fp8"]
 LogprobsMode = Literal["tempered", "processed"]
@@ -49,9 +51,9 @@ class RolloutConfig:
     logprobs: LogprobsMode = "tempered"
 
     def __post_init__(self) -> None:
-        _check_choice("engine", self.engine, ENGINES)
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("logprobs", self.logprobs, LOGPROBS_MODES)
+        check_choice("engine", self.engine, ENGINES)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("logprobs", self.logprobs, LOGPROBS_MODES)
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -60,14 +62,6 @@ class RolloutConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        from ..config import did_you_mean
-
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
-                         f"{did_you_mean(str(value), allowed)}")
 
 
 @dataclass

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..architecture import attention_head_dim, check_positive, check_positive_ints
+from ..model.architecture import attention_head_dim, check_positive, check_positive_ints
 from .base import FinishReason, LogprobsMode, Precision, RolloutBatch
 from .precision import fp8_e4m3_qdq
 

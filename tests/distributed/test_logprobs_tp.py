@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rlcorr.logprobs import token_logprobs_and_entropy
+from megatron_rlcorr.training.logprobs import token_logprobs_and_entropy
 from tests.dist import run_distributed
 
 VOCAB = 48

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rlcorr.losses import LossConfig, global_loss_normalizers, policy_loss, reduce_metric_partials
+from megatron_rlcorr.training.losses import LossConfig, global_loss_normalizers, policy_loss, reduce_metric_partials
 from megatron_rlcorr.parallel.context import (
     cp_pad_multiple,
     merge_from_cp,

@@ -28,7 +28,7 @@ PACKED_LENGTHS = (11, 6)  # THD case: padded to multiples of 2*cp
 
 
 def _random_weights(cfg):
-    from megatron_rlcorr.model import neutral_weight_shapes
+    from megatron_rlcorr.model.weights import neutral_weight_shapes
 
     gen = torch.Generator().manual_seed(5)
     weights = {}
@@ -62,7 +62,7 @@ def _unzigzag(shards, dim=1):
 
 
 def _reference(cfg, weights, tokens, targets):
-    from megatron_rlcorr.model import reference_forward
+    from megatron_rlcorr.model.reference import reference_forward
 
     leaves = {k: v.clone().requires_grad_() for k, v in weights.items()}
     logits = reference_forward(leaves, cfg, tokens)
@@ -83,7 +83,7 @@ def _hide_gpus():
 
 
 def _setup(tp, pp, cp, cfg_dict):
-    from megatron_rlcorr.model import ModelConfig
+    from megatron_rlcorr.model.config import ModelConfig
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
 
@@ -93,7 +93,7 @@ def _setup(tp, pp, cp, cfg_dict):
 
 def _sgd_step_and_export(model, groups):
     import torch.distributed as dist
-    from megatron_rlcorr.model import export_full_weights
+    from megatron_rlcorr.model.weights import export_full_weights
 
     with torch.no_grad():
         for p in model.parameters():
@@ -107,7 +107,8 @@ def _tp_cp_worker(rank, world, tp, cp, cfg_dict, weights, tokens, targets, packe
     """Padded batch, zigzag-split over CP: local logits and post-step weights; with
     `packed_seqs`, also the logits of those sequences packed into one THD batch."""
     _hide_gpus()
-    from megatron_rlcorr.model import build_gpt_model, export_full_weights, load_full_weights
+    from megatron_rlcorr.model.build import build_gpt_model
+    from megatron_rlcorr.model.weights import export_full_weights, load_full_weights
 
     cfg, groups = _setup(tp, 1, cp, cfg_dict)
     model = build_gpt_model(cfg, groups, seed=SEED)
@@ -146,7 +147,8 @@ def _pp_worker(rank, world, cfg_dict, weights, tokens, targets):
     """Two stages through Megatron's 1F1B schedule, two micro-batches of one sequence."""
     _hide_gpus()
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron_rlcorr.model import build_gpt_model, export_full_weights, load_full_weights
+    from megatron_rlcorr.model.build import build_gpt_model
+    from megatron_rlcorr.model.weights import export_full_weights, load_full_weights
 
     cfg, groups = _setup(1, 2, 1, cfg_dict)
     model = build_gpt_model(cfg, groups, seed=SEED)
@@ -173,7 +175,8 @@ def _pp_worker(rank, world, cfg_dict, weights, tokens, targets):
 
 @pytest.fixture(scope="module")
 def case():
-    from megatron_rlcorr.model import ModelConfig, init_full_weights
+    from megatron_rlcorr.model.config import ModelConfig
+    from megatron_rlcorr.model.weights import init_full_weights
 
     cfg = ModelConfig(**CFG)
     weights = _random_weights(cfg)
@@ -205,7 +208,7 @@ def test_tensor_parallel_2_matches_reference(case):
 
 
 def test_context_parallel_2_padded_and_packed_match_reference(case):
-    from megatron_rlcorr.model import reference_forward
+    from megatron_rlcorr.model.reference import reference_forward
 
     gen = torch.Generator().manual_seed(9)
     seqs = [torch.randint(0, CFG["vocab_size"], (n,), generator=gen) for n in PACKED_LENGTHS]

@@ -82,7 +82,7 @@ LAYOUTS = {
 
 def _make_batch(weights, cfg, scenario):
     """Right-padded prompts + responses; rollout log-probs = the model's (tempered) + noise."""
-    from megatron_rlcorr.model import reference_forward
+    from megatron_rlcorr.model.reference import reference_forward
 
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, cfg.vocab_size, (BATCH, SEQ), generator=gen)
@@ -115,8 +115,8 @@ def _make_batch(weights, cfg, scenario):
 
 def _step_config(scenario, micro_batch_size):
     from megatron_rlcorr.config import RolloutCorrectionConfig
-    from megatron_rlcorr.losses import LossConfig
-    from megatron_rlcorr.step import StepConfig
+    from megatron_rlcorr.training.losses import LossConfig
+    from megatron_rlcorr.training.step import StepConfig
 
     spec = SCENARIOS[scenario]
     return StepConfig(loss=LossConfig(**spec["loss"]), correction=RolloutCorrectionConfig(**spec["correction"]),
@@ -128,8 +128,8 @@ def _torch_step(cfg, weights, data, step_cfg):
     import dataclasses
 
     from megatron_rlcorr.correction import compute_rollout_correction
-    from megatron_rlcorr.losses import global_loss_normalizers, policy_loss
-    from megatron_rlcorr.model import reference_forward
+    from megatron_rlcorr.training.losses import global_loss_normalizers, policy_loss
+    from megatron_rlcorr.model.reference import reference_forward
 
     leaves = {k: v.clone().requires_grad_() for k, v in weights.items() if k != "lm_head.weight"}
     logits = reference_forward(leaves, cfg, data["tokens_BT"]) / step_cfg.temperature
@@ -172,7 +172,7 @@ def _hide_gpus():
 
 def _export_grads(chunks, groups):
     """Full gradients (DDP main_grad buffers) in neutral names, through export_full_weights."""
-    from megatron_rlcorr.model import export_full_weights
+    from megatron_rlcorr.model.weights import export_full_weights
 
     params = [p for chunk in chunks for p in chunk.parameters()]
     saved = [p.data.clone() for p in params]
@@ -188,12 +188,13 @@ def _export_grads(chunks, groups):
 def _train_worker(rank, world, tp, pp, cp, runs, batches):
     """For each (scenario, micro_batch_size): fresh model, one train_minibatch, results."""
     _hide_gpus()
-    from megatron_rlcorr.model import ModelConfig, export_full_weights
-    from megatron_rlcorr.optimizer import build_model_and_optimizer
+    from megatron_rlcorr.model.config import ModelConfig
+    from megatron_rlcorr.model.weights import export_full_weights
+    from megatron_rlcorr.training.optimizer import build_model_and_optimizer
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
-    from megatron_rlcorr.recipe import OptimSettings
-    from megatron_rlcorr.step import StepBatch, compute_old_log_probs, train_minibatch
+    from megatron_rlcorr.training.optimizer import OptimSettings
+    from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs, train_minibatch
 
     enable_cpu_megatron()
     groups = build_parallel_groups(tp, pp, cp)
@@ -219,7 +220,8 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches):
 
 @pytest.fixture(scope="module")
 def references():
-    from megatron_rlcorr.model import ModelConfig, init_full_weights
+    from megatron_rlcorr.model.config import ModelConfig
+    from megatron_rlcorr.model.weights import init_full_weights
 
     cfg = ModelConfig(**CFG)
     weights = init_full_weights(cfg, SEED)
@@ -292,7 +294,7 @@ def test_bypass_ppo_veto_reference(references):
     RS removes the tokens whose ratio leaves [1/1.6, 1.6], and the loss takes no IS weights."""
     import dataclasses
 
-    from megatron_rlcorr.model import ModelConfig
+    from megatron_rlcorr.model.config import ModelConfig
 
     refs, batches = references["refs"], references["batches"]
     ref, ref_adv = refs["byp_ppo_veto"], refs["byp_ppo_veto_adv"]

@@ -72,7 +72,7 @@ def _train_runs(rank, world_size, runs):
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
     from megatron_rlcorr.recipe import load_recipe
-    from megatron_rlcorr.trainer import train
+    from megatron_rlcorr.rl.trainer import train
 
     enable_cpu_megatron()
     out = []
@@ -159,7 +159,7 @@ def _resume_on_other_layout(rank, world_size, tmp_path):
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
     from megatron_rlcorr.recipe import load_recipe
-    from megatron_rlcorr.trainer import train
+    from megatron_rlcorr.rl.trainer import train
 
     enable_cpu_megatron()
     common = [*SMALL, "name=layout", f"trainer.output_dir={tmp_path}", "trainer.steps=1"]

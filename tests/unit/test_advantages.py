@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_rlcorr.advantages import group_advantages, informative_groups, overlong_penalty
+from megatron_rlcorr.rl.advantages import group_advantages, informative_groups, overlong_penalty
 
 
 def test_grpo_normalises_within_groups():

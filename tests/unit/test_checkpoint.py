@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from megatron_rlcorr import checkpoint, train
+from megatron_rlcorr import train
+from megatron_rlcorr.training import checkpoint
 
 from tests.unit.test_recipes import TINY
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_rlcorr.logprobs import token_logprobs_and_entropy
+from megatron_rlcorr.training.logprobs import token_logprobs_and_entropy
 
 
 def reference(logits, targets, temperature):

@@ -3,13 +3,7 @@ import math
 import pytest
 import torch
 
-from megatron_rlcorr.losses import (
-    LossConfig,
-    LossNormalizer,
-    global_loss_normalizers,
-    policy_loss,
-    reduce_metric_partials,
-)
+from megatron_rlcorr.training.losses import LossConfig, LossNormalizer, global_loss_normalizers, policy_loss, reduce_metric_partials
 
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 CONFIGS = {

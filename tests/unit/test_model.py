@@ -8,15 +8,9 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_rlcorr.model import (
-    PADDED_VOCAB_LOGIT,
-    Fp8Config,
-    ModelConfig,
-    init_full_weights,
-    neutral_weight_shapes,
-    pad_vocab_size,
-    reference_forward,
-)
+from megatron_rlcorr.model.config import PADDED_VOCAB_LOGIT, Fp8Config, ModelConfig, pad_vocab_size
+from megatron_rlcorr.model.reference import reference_forward
+from megatron_rlcorr.model.weights import init_full_weights, neutral_weight_shapes
 from tests.dist import run_distributed
 
 TINY = dict(vocab_size=100, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=48)
@@ -120,7 +114,8 @@ def _hide_gpus():
 
 def _single_process_worker(rank, world, cases, tokens):
     _hide_gpus()
-    from megatron_rlcorr.model import build_gpt_model, export_full_weights, load_full_weights
+    from megatron_rlcorr.model.build import build_gpt_model
+    from megatron_rlcorr.model.weights import export_full_weights, load_full_weights
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
 
@@ -211,7 +206,8 @@ TE_CFG = dict(vocab_size=1000, hidden_size=128, num_layers=2, num_attention_head
 
 
 def _transformer_engine_worker(rank, world, weights, tokens):
-    from megatron_rlcorr.model import build_gpt_model, export_full_weights, load_full_weights, use_transformer_engine
+    from megatron_rlcorr.model.build import build_gpt_model, use_transformer_engine
+    from megatron_rlcorr.model.weights import export_full_weights, load_full_weights
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
 

@@ -4,12 +4,12 @@ import math
 import pytest
 import torch
 
-from megatron_rlcorr.batch import build_step_batch, slice_batch
+from megatron_rlcorr.rl.batch import build_step_batch, slice_batch
 from megatron_rlcorr.data import EOS_ID, get_task
 from megatron_rlcorr.data.tasks import Prompt
-from megatron_rlcorr.recipe import OverlongPenalty
+from megatron_rlcorr.rl.advantages import OverlongPenalty
 from megatron_rlcorr.rollout import RolloutBatch, RolloutConfig
-from megatron_rlcorr.sampling import RolloutGroups, derive_seed, dynamic_sample, generate_groups
+from megatron_rlcorr.rl.sampling import RolloutGroups, derive_seed, dynamic_sample, generate_groups
 
 N = 2  # samples per prompt
 

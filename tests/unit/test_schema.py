@@ -3,7 +3,8 @@ from typing import Literal
 
 import pytest
 
-from megatron_rlcorr.schema import apply_overrides, from_mapping
+from megatron_rlcorr.recipe.tree import apply_overrides
+from megatron_rlcorr.settings import from_mapping
 
 
 @dataclass(frozen=True)

@@ -47,15 +47,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .config import RolloutCorrectionConfig
-from .correction import compute_rollout_correction
+from ..config import RolloutCorrectionConfig
+from ..correction import compute_rollout_correction
 from .logprobs import token_logprobs_and_entropy
 from .losses import LossConfig, global_loss_normalizers, policy_loss, reduce_metric_partials
 from .optimizer import current_lr, loss_scale_for_schedule, zero_grads
-from .parallel.context import merge_from_cp, pad_to_multiple, split_for_cp, zigzag_token_positions
+from ..parallel.context import merge_from_cp, pad_to_multiple, split_for_cp, zigzag_token_positions
 
 if TYPE_CHECKING:
-    from .parallel.groups import ParallelGroups
+    from ..parallel.groups import ParallelGroups
 
 
 @dataclass

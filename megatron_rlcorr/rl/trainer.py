@@ -10,7 +10,7 @@ One step:
 3. `ppo_epochs` passes over the batch in mini-batches, one optimizer step each.
 4. The updated weights are exported (full, neutral names) and loaded into the engine.
 
-Metrics are 0-d tensors until the once-per-step log. Checkpoints are per rank (checkpoint.py):
+Metrics are 0-d tensors until the once-per-step log. Checkpoints are per rank (training/checkpoint.py):
 model chunks, optimizer, scheduler, RNG states and the step. Prompt and sampling generators are
 derived from (seed, step, DP rank, round), so a resumed run repeats the uninterrupted one exactly.
 """
@@ -18,22 +18,26 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 import yaml
 
-from . import checkpoint
+from ..data.tasks import DataSettings, get_task
+from ..model.config import ModelConfig
+from ..model.weights import export_full_weights
+from ..parallel.groups import ParallelGroups
+from ..parallel.layout import ParallelSettings
+from ..rollout import DecoderShape, RolloutConfig, make_engine
+from ..training import checkpoint
+from ..training.optimizer import OptimSettings, build_model_and_optimizer
+from ..training.step import StepBatch, StepConfig, StepResult, compute_old_log_probs, train_minibatch
 from .advantages import group_advantages
 from .batch import build_step_batch, is_rollout_source, share_in_model_parallel, slice_batch
-from .data import get_task
-from .model import export_full_weights
-from .optimizer import build_model_and_optimizer
-from .parallel.groups import ParallelGroups
 from .progress import MetricsLogger
-from .recipe import Recipe
-from .rollout import DecoderShape, make_engine
 from .sampling import RolloutGroups, dynamic_sample, generate_groups, seeded_generator
-from .step import StepBatch, StepConfig, StepResult, compute_old_log_probs, train_minibatch
+from .settings import AlgorithmSettings, TrainerSettings
 
 # Per-rank sums sent from the rollout source to its replica, then summed over DP.
 _ROLLOUT_SUMS = ("round0_score", "round0_samples", "batch_reward", "batch_score", "batch_samples",
@@ -50,10 +54,31 @@ def decoder_shape(model_cfg) -> DecoderShape:
                         kv_channels=model_cfg.kv_channels)
 
 
+class RunSettings(Protocol):
+    """What the trainer reads of a run's settings (recipe.Recipe is one)."""
+
+    name: str
+    model: ModelConfig
+    parallel: ParallelSettings
+    rollout: RolloutConfig
+    data: DataSettings
+    algorithm: AlgorithmSettings
+    optim: OptimSettings
+    trainer: TrainerSettings
+    raw: dict  # the resolved YAML tree, saved with the run
+
+    @property
+    def run_dir(self) -> Path: ...
+
+    def check_layout(self, world_size: int) -> int:
+        """Validate the settings against the launch; returns the data-parallel size."""
+        ...
+
+
 class Trainer:
     """Builds the model, optimizer, engine and task for `recipe` on the given groups; `run()` trains."""
 
-    def __init__(self, recipe: Recipe, groups: ParallelGroups) -> None:
+    def __init__(self, recipe: RunSettings, groups: ParallelGroups) -> None:
         self.recipe, self.groups = recipe, groups
         self.dp_size = recipe.check_layout(dist.get_world_size())
         cuda = torch.cuda.is_available()
@@ -248,6 +273,6 @@ def _train_metrics(results: list[StepResult]) -> dict[str, torch.Tensor]:
     return metrics
 
 
-def train(recipe: Recipe, groups: ParallelGroups) -> Path:
+def train(recipe: RunSettings, groups: ParallelGroups) -> Path:
     """Train `recipe` on the given groups (process group and Megatron groups already built)."""
     return Trainer(recipe, groups).run()

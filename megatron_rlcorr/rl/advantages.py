@@ -2,6 +2,7 @@
 soft overlong penalty. Rewards come as [groups, samples_per_prompt]."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -30,6 +31,19 @@ def group_advantages(rewards_GN: torch.Tensor, estimator: Literal["grpo", "rloo"
 def informative_groups(rewards_GN: torch.Tensor) -> torch.Tensor:
     """bool [groups]: groups whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
     return (rewards_GN.amax(dim=-1) - rewards_GN.amin(dim=-1)) > 0
+
+
+@dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO soft overlong punishment: responses within `buffer` tokens of the limit lose up to `penalty`."""
+
+    enabled: bool = False
+    buffer: int = 4
+    penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.buffer < 1 or self.penalty < 0:
+            raise ValueError(f"buffer must be >= 1 and penalty >= 0, got buffer={self.buffer}, penalty={self.penalty}")
 
 
 def overlong_penalty(response_lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:

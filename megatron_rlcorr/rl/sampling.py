@@ -23,10 +23,9 @@ from typing import Callable
 
 import torch
 
-from .advantages import informative_groups, overlong_penalty
-from .data import Prompt, Task
-from .recipe import OverlongPenalty
-from .rollout import RolloutConfig, RolloutEngine
+from .advantages import OverlongPenalty, informative_groups, overlong_penalty
+from ..data import Prompt, Task
+from ..rollout import RolloutConfig, RolloutEngine
 
 
 def derive_seed(base: int, *parts: object) -> int:
@@ -103,6 +102,18 @@ def generate_groups(engine: RolloutEngine, task: Task, num_prompts: int, *, roll
                                                   overlong.penalty)
     return RolloutGroups(prompts=prompts, response_ids=out.response_ids, logprobs=list(out.logprobs),
                          finish_reasons=list(out.finish_reasons), scores_GN=scores_GN, rewards_GN=rewards_GN)
+
+
+@dataclass(frozen=True)
+class DynamicSampling:
+    """DAPO dynamic sampling: drop prompt groups whose rewards are all equal, then top the batch up."""
+
+    enabled: bool = False
+    max_rounds: int = 4  # extra generation rounds per step to refill dropped groups
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 0:
+            raise ValueError(f"max_rounds must be >= 0, got {self.max_rounds}")
 
 
 @dataclass

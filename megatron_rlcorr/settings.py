@@ -1,14 +1,16 @@
-"""Building dataclasses from YAML mappings with errors that name the key and the fix.
+"""Settings dataclasses from YAML mappings, with errors that name the key and the fix.
 
-Used by every recipe section: unknown keys get a "did you mean", values are checked against the
-field's annotation (bool, int, float, str, Literal, Optional, list/tuple/dict), and numeric
-strings from YAML ("1e-4") are accepted where a number is expected.
+Every settings type (the model's, the optimizer's, the rollout engine's, ...) lives beside the
+code that consumes it and is built from its recipe section by `from_mapping`: unknown keys get
+a "did you mean", missing required keys are named, values are checked against the field's
+annotation (bool, int, float, str, Literal, Optional, list/tuple/dict, nested dataclasses), and
+numeric strings from YAML ("1e-4") are accepted where a number is expected. `check_choice` is
+the one check of a Literal option used by the types' own validation.
 """
 from __future__ import annotations
 
 import dataclasses
 import types
-import typing
 from typing import Any, Literal, Mapping, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from .config import did_you_mean
@@ -30,6 +32,10 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, section: str) 
             raise ValueError(f"unknown key {section}.{key}{did_you_mean(str(key), list(fields))}; "
                              f"allowed: {', '.join(fields)}")
         kwargs[key] = coerce(value, hints[key], f"{section}.{key}")
+    missing = [name for name, f in fields.items() if name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{section} is missing required setting(s): {', '.join(missing)}")
     try:
         return cls(**kwargs)
     except ValueError as err:
@@ -88,20 +94,10 @@ def coerce(value: Any, annotation: Any, name: str) -> Any:
     return value
 
 
-def apply_overrides(tree: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested mapping, in place."""
-    import yaml
-
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like section.key=value (e.g. trainer.steps=10)")
-        path, text = item.split("=", 1)
-        keys = path.split(".")
-        node = tree
-        for key in keys[:-1]:
-            child = node.setdefault(key, {})
-            if not isinstance(child, dict):
-                raise ValueError(f"override {item!r}: {key} is not a section")
-            node = child
-        node[keys[-1]] = yaml.safe_load(text)
-    return tree
+def check_choice(name: str, value: Any, allowed: Any) -> None:
+    """ValueError naming `name`, the allowed values and the closest one, unless `value` is one of
+    `allowed` (a tuple of values or a Literal type)."""
+    choices = get_args(allowed) if get_origin(allowed) is Literal else tuple(allowed)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+                         f"{did_you_mean(str(value), [str(c) for c in choices])}")

@@ -23,6 +23,8 @@ from typing import Literal, Sequence, get_args
 import torch
 import torch.distributed as dist
 
+from ..settings import check_choice
+
 LossType = Literal["ppo_clip", "policy_gradient"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
@@ -43,8 +45,8 @@ class LossConfig:
     entropy_coeff: float = 0.0      # loss -= entropy_coeff * agg(entropy)
 
     def __post_init__(self) -> None:
-        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         if not 0.0 <= self.clip_ratio_low < 1.0:
             raise ValueError(f"clip_ratio_low must be in [0, 1) so that 1 - clip_ratio_low > 0, "
                              f"got {self.clip_ratio_low}")
@@ -169,7 +171,7 @@ def global_loss_normalizers(
     all-reduce over cp_group (per-sequence counts, O(sequences)), then one of two numbers over
     dp_group; for token-mean only a single number travels.
     """
-    _check_choice("agg_mode", agg_mode, LOSS_AGG_MODES)
+    check_choice("agg_mode", agg_mode, LOSS_AGG_MODES)
     if cu_seqlens is not None and len(cu_seqlens) != len(loss_masks_per_microbatch):
         raise ValueError(f"cu_seqlens has {len(cu_seqlens)} entries for {len(loss_masks_per_microbatch)} "
                          "micro-batches; pass one per micro-batch (or None for the padded layout)")
@@ -240,11 +242,6 @@ def _denominator(count: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor
 def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
 
 
 def _check_inputs(log_prob, old_log_prob, advantages, loss_mask, cfg, normalizer, is_weights,

@@ -24,18 +24,40 @@ sums (losses.global_loss_normalizers), so step.py multiplies each micro-batch lo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from .model import ModelConfig, build_gpt_model
-from .parallel.cpu import enable_cpu_megatron
-from .recipe import OptimSettings
+from ..model.build import build_gpt_model
+from ..model.config import ModelConfig
+from ..parallel.cpu import enable_cpu_megatron
 
 if TYPE_CHECKING:
-    from .parallel.groups import ParallelGroups
+    from ..parallel.groups import ParallelGroups
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """The recipe's `optim:` section: Adam, clipping and the learning-rate schedule."""
+
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or self.clip_grad < 0:
+            raise ValueError("warmup_steps and clip_grad must be >= 0")
 
 
 def build_model_and_optimizer(model_cfg: ModelConfig, optim: OptimSettings, groups: ParallelGroups, *,

@@ -14,9 +14,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .parallel.groups import ParallelGroups
+from ..parallel.groups import ParallelGroups
 from .sampling import RolloutGroups
-from .step import StepBatch
+from ..training.step import StepBatch
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StepBatch))
 _DTYPES = {"tokens_BT": torch.int64, "targets_BT": torch.int64}  # the rest float32

@@ -1,0 +1,209 @@
+"""Megatron-Core's GPTModel for a ModelConfig under a parallel layout.
+
+Transformer Engine layers when CUDA and TE are present (BF16/FP8), Megatron-Core's local layers
+otherwise (the CPU path; under context parallelism with our all-gather attention, since
+Megatron's local attention rejects CP). The output layer is vocabulary-parallel and the logits
+of Megatron's vocabulary padding are PADDED_VOCAB_LOGIT, so log-softmax over the padded
+vocabulary equals the real one.
+
+Initialisation: every weight is drawn from its own generator seeded by (seed, neutral name)
+(weights.init_full_weights), so a seed gives the same model under any TP/PP/VPP layout
+(Megatron-Core's own initialisation depends on the pipeline layout through the order in which
+stages draw random numbers).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import PADDED_VOCAB_LOGIT, Fp8Config, ModelConfig, pad_vocab_size
+from .weights import SPLIT_DIM, SeededWeights, load_full_weights, parameter_slots
+
+if TYPE_CHECKING:  # megatron.core is imported only where a model is built (import time ~5 s)
+    from ..parallel.groups import ParallelGroups
+
+def transformer_config(cfg: ModelConfig, groups: ParallelGroups):
+    """Megatron-Core TransformerConfig for `cfg` under the parallel layout of `groups`."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if cfg.num_query_groups % groups.tp_size or cfg.num_attention_heads % groups.tp_size:
+        raise ValueError(f"num_attention_heads ({cfg.num_attention_heads}) and num_query_groups "
+                         f"({cfg.num_query_groups}) must be divisible by parallel.tp={groups.tp_size}")
+    stages = groups.pp_size * (groups.vpp_size or 1)
+    if cfg.num_layers % stages:
+        raise ValueError(f"num_layers ({cfg.num_layers}) must be divisible by pp*vpp = {stages}")
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        # Weights are set by load_full_weights (seeded per name); skip Megatron's own draw.
+        perform_initialization=False,
+        use_cpu_initialization=True,
+        params_dtype=cfg.torch_params_dtype,
+        pipeline_dtype=cfg.torch_params_dtype,
+        bf16=cfg.bf16,
+        tensor_model_parallel_size=groups.tp_size,
+        pipeline_model_parallel_size=groups.pp_size,
+        virtual_pipeline_model_parallel_size=groups.vpp_size,
+        context_parallel_size=groups.cp_size,
+        **_fp8_settings(cfg.fp8),
+    )
+
+
+def _fp8_settings(fp8: Fp8Config | None) -> dict[str, Any]:
+    """TransformerConfig's `fp8` / `fp8_recipe` for this Megatron-Core version."""
+    if fp8 is None:
+        return {}
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if "fp8_recipe" not in names:
+        if fp8.recipe != "delayed":
+            raise ValueError(f"fp8.recipe={fp8.recipe!r} needs a Megatron-Core with TransformerConfig.fp8_recipe; "
+                             "this one only has delayed scaling")
+        return {"fp8": fp8.format}
+    from megatron.core.enums import Fp8Recipe
+
+    supported = [r.value for r in Fp8Recipe]
+    if fp8.recipe not in supported:
+        raise ValueError(f"fp8.recipe={fp8.recipe!r} is not supported by the installed Megatron-Core "
+                         f"(supported: {', '.join(supported)})")
+    return {"fp8": fp8.format, "fp8_recipe": fp8.recipe}
+
+
+def use_transformer_engine() -> bool:
+    """True when Transformer Engine layers can be used: CUDA present and TE importable."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _layer_spec(cfg: ModelConfig, groups: ParallelGroups):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    if cfg.fp8 is not None:
+        raise ValueError("model.fp8 needs Transformer Engine on a CUDA machine; remove fp8 to run without it")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if groups.cp_size > 1:
+        from ..parallel.cp_attention import ContextParallelAttention
+
+        # Megatron's DotProductAttention rejects context parallelism; ours attends over the
+        # all-gathered K/V with the causal mask on global zigzag positions.
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    return spec
+
+
+def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bool | None = None,
+                    post_process: bool | None = None, vp_stage: int | None = None, seed: int = 1234,
+                    init_weights: bool = True):
+    """This rank's GPTModel chunk (TE layers with CUDA + Transformer Engine, else local layers).
+
+    pre_process / post_process default to whether this is the first / last pipeline stage (for
+    virtual chunk `vp_stage`). Weights are `init_full_weights(cfg, seed)`, identical for every
+    parallel layout; with init_weights=False they stay uninitialised (load_full_weights or a
+    checkpoint must follow). `seed` also seeds Megatron's TP RNG tracker if nobody did yet.
+    The output layer is vocabulary-parallel ([b, s, V_padded / tp] per TP rank); logits of
+    Megatron's vocabulary padding are PADDED_VOCAB_LOGIT.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    if pre_process is None:
+        pre_process = groups.is_pipeline_first_stage(vp_stage)
+    if post_process is None:
+        post_process = groups.is_pipeline_last_stage(vp_stage)
+    padded_vocab = pad_vocab_size(cfg.vocab_size, groups.tp_size, cfg.make_vocab_size_divisible_by)
+    model = GPTModel(
+        config=transformer_config(cfg, groups),
+        transformer_layer_spec=_layer_spec(cfg, groups),
+        vocab_size=padded_vocab,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=cfg.rotary_base,
+        pg_collection=groups.pg_collection,
+        vp_stage=vp_stage,
+    )
+    model.unpadded_vocab_size = cfg.vocab_size  # export_full_weights strips the padding rows
+    _mark_tensor_parallel_params(model, cfg.tie_embeddings)
+    # The local spec's torch norms ignore params_dtype (Megatron's Float16Module would cast them).
+    for param in model.parameters():
+        if param.dtype != cfg.torch_params_dtype:
+            param.data = param.data.to(cfg.torch_params_dtype)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if post_process and padded_vocab > cfg.vocab_size:
+        mask_padding = _padded_vocab_mask_hook(cfg.vocab_size, padded_vocab, groups.tp_rank)
+        model.output_layer.register_forward_hook(mask_padding)
+    _seed_megatron_rng(seed, groups)
+    if init_weights:
+        load_full_weights([model], SeededWeights(cfg, seed), groups)
+    return model
+
+
+def _mark_tensor_parallel_params(model, tied: bool) -> None:
+    """Set Megatron's `tensor_model_parallel` / `partition_dim` on TP-split parameters.
+
+    With use_cpu_initialization=True and perform_initialization=False Megatron-Core's parallel
+    linear layers skip the call that sets them; the optimizer's grad norm (and clipping) then
+    counts only TP rank 0's shard of every split weight.
+    """
+    for slot in parameter_slots(model, tied):
+        if slot.layout != "replicated" and not getattr(slot.param, "tensor_model_parallel", False):
+            slot.param.tensor_model_parallel = True
+            slot.param.partition_dim = SPLIT_DIM[slot.layout]
+            slot.param.partition_stride = 1
+
+
+def _padded_vocab_mask_hook(vocab_size: int, padded_vocab: int, tp_rank: int) -> Callable:
+    """Forward hook of the output layer: padding columns get PADDED_VOCAB_LOGIT."""
+
+    def hook(module, args, output):
+        logits, bias = output
+        width = logits.shape[-1]
+        first_id = 0 if width == padded_vocab else tp_rank * width  # TP-gathered or vocab-parallel
+        real_columns = vocab_size - first_id
+        if real_columns >= width:
+            return output
+        is_padding = torch.arange(width, device=logits.device) >= real_columns
+        return logits.masked_fill(is_padding, PADDED_VOCAB_LOGIT), bias
+
+    return hook
+
+
+def _seed_megatron_rng(seed: int, groups: ParallelGroups) -> None:
+    """Seed Megatron's tensor-parallel RNG tracker unless the entry point already did.
+
+    DotProductAttention forks the tracker's "model-parallel-rng" state around (zero) dropout, so a
+    model cannot run before the tracker is seeded.
+    """
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME
+
+    if _MODEL_PARALLEL_RNG_TRACKER_NAME not in tensor_parallel.get_cuda_rng_tracker().get_states():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
+

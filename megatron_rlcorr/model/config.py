@@ -1,0 +1,103 @@
+"""The policy model's settings: the recipe's `model:` section (architecture, precision, FP8).
+
+Architecture: token embedding; per layer RMSNorm -> GQA causal self-attention with rotary
+embeddings (rotate-half, non-interleaved; optional q/k/v bias) -> residual -> RMSNorm -> SwiGLU
+MLP down(silu(gate(x)) * up(x)) -> residual; final RMSNorm; output layer (tied to the embedding
+or not). No dropout, no linear biases besides q/k/v. Field names are Megatron-Core's.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..settings import check_choice, from_mapping
+from .architecture import attention_head_dim, check_positive, check_positive_ints
+
+Fp8Format = Literal["e4m3", "hybrid"]
+Fp8RecipeName = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+ParamsDtype = Literal["float32", "bfloat16"]
+
+# Logit given to Megatron's vocabulary padding: exp() of it underflows to 0 next to any real
+# logit, and it stays finite (also after dividing by a sampling temperature), so log-softmax,
+# entropy and cross-entropy over the padded vocabulary equal those over the real one.
+PADDED_VOCAB_LOGIT = -1.0e30
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """FP8 training through Transformer Engine: number format and scaling recipe."""
+
+    format: Fp8Format = "e4m3"
+    recipe: Fp8RecipeName = "delayed"
+
+    def __post_init__(self) -> None:
+        check_choice("fp8.format", self.format, Fp8Format)
+        check_choice("fp8.recipe", self.recipe, Fp8RecipeName)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The recipe's `model:` section (Megatron-Core names where one exists)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    num_query_groups: int | None = None  # None: one K/V head per query head (no GQA)
+    kv_channels: int | None = None       # head dimension; None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0
+    add_qkv_bias: bool = False
+    tie_embeddings: bool = False
+    norm_epsilon: float = 1e-6
+    init_method_std: float = 0.02
+    params_dtype: ParamsDtype | None = None  # None: "bfloat16" with bf16, else "float32"
+    bf16: bool = False
+    fp8: Fp8Config | None = None
+    # Megatron pads the vocabulary to a multiple of this times the TP size (GEMM efficiency);
+    # the padding never gets probability (PADDED_VOCAB_LOGIT).
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.params_dtype is None:
+            object.__setattr__(self, "params_dtype", "bfloat16" if self.bf16 else "float32")
+        if isinstance(self.fp8, Mapping):
+            object.__setattr__(self, "fp8", from_mapping(Fp8Config, self.fp8, "fp8"))
+        check_positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                                   "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
+                                   "make_vocab_size_divisible_by"))
+        check_positive(self, ("rotary_base", "norm_epsilon", "init_method_std"))
+        attention_head_dim(self.hidden_size, self.num_attention_heads, self.num_query_groups, self.kv_channels)
+        check_choice("params_dtype", self.params_dtype, ParamsDtype)
+        if self.params_dtype != ("bfloat16" if self.bf16 else "float32"):
+            raise ValueError(f"params_dtype={self.params_dtype!r} does not match bf16={self.bf16}: use "
+                             "params_dtype: bfloat16 with bf16: true, or float32 with bf16: false, or leave "
+                             "params_dtype unset (the optimizer keeps float32 master weights either way)")
+        if self.fp8 is not None and not self.bf16:
+            raise ValueError("fp8 needs bf16: true (FP8 GEMMs run inside a BF16 model)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def torch_params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.params_dtype == "bfloat16" else torch.float32
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any] | None) -> "ModelConfig":
+        """From a recipe's `model:` mapping; unknown or missing keys raise ValueError."""
+        return from_mapping(cls, mapping or {}, "model")
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
+    """The vocabulary size Megatron-Core's embedding/output layer use: a multiple of divisible_by*tp."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+

@@ -1,0 +1,41 @@
+"""The recipe's `parallel:` section: tensor, pipeline, context and virtual pipeline sizes.
+
+Pure Python (no Megatron-Core import): the entry points validate a layout against the launch
+before any process group exists, and build the groups from it (groups.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vpp: int | None = None
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
+            raise ValueError(f"vpp (virtual pipeline stages) needs pp > 1 and vpp >= 1, got pp={self.pp}, vpp={self.vpp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def layout(self, world_size: int) -> dict[str, int | None]:
+        """What a per-rank checkpoint depends on: which rank holds which shard."""
+        return {"world_size": world_size, "tp": self.tp, "pp": self.pp, "cp": self.cp, "vpp": self.vpp}
+
+    def data_parallel_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ValueError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*"
+                             f"{self.cp} = {self.model_parallel_size}; launch a multiple of {self.model_parallel_size} "
+                             f"processes or change parallel.tp/pp/cp")
+        return world_size // self.model_parallel_size

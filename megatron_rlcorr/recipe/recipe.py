@@ -1,0 +1,124 @@
+"""The recipe: one YAML file that describes a whole RL run, validated before any process group exists.
+
+Sections: model, parallel, rollout, data, algorithm (advantages, loss, rollout_correction), optim,
+trainer. A recipe may start from another (`base: tiny_cpu.yaml`) and change some keys.
+`load_recipe(path, overrides)` applies dotted `key=value` overrides, rejects unknown keys
+with a "did you mean", checks types and value ranges, and `check_layout(world_size)` rejects a
+parallel layout that does not fit the launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..config import RolloutCorrectionConfig, did_you_mean
+from ..data.tasks import DataSettings, get_task
+from ..model.config import ModelConfig
+from ..parallel.layout import ParallelSettings
+from ..rl.settings import AlgorithmSettings, TrainerSettings
+from ..rollout.base import RolloutConfig
+from ..settings import from_mapping
+from ..training.losses import LossConfig
+from ..training.optimizer import OptimSettings
+from .tree import read_tree
+
+
+_SECTIONS = ("name", "model", "parallel", "rollout", "data", "algorithm", "optim", "trainer")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A whole run: every section's settings, composed and checked against each other."""
+
+    name: str
+    model: ModelConfig
+    parallel: ParallelSettings
+    rollout: RolloutConfig
+    data: DataSettings
+    algorithm: AlgorithmSettings
+    optim: OptimSettings
+    trainer: TrainerSettings
+    raw: dict = field(default_factory=dict, repr=False)  # the resolved YAML tree, saved with each run
+
+    @property
+    def run_dir(self) -> Path:
+        """<trainer.output_dir>/<name>: metrics, checkpoints and the resolved recipe of the run."""
+        return Path(self.trainer.output_dir) / self.name
+
+    def check_layout(self, world_size: int) -> int:
+        """Validate the layout against the launch; returns the data-parallel size."""
+        dp = self.parallel.data_parallel_size(world_size)
+        self._check_task()
+        prompts = self.data.prompts_per_step
+        if prompts % dp:
+            raise ValueError(f"data.prompts_per_step={prompts} must be divisible by the data-parallel size {dp} "
+                             f"(world {world_size} / tp*pp*cp {self.parallel.model_parallel_size})")
+        mini = self.trainer.mini_batch_size
+        total = prompts * self.rollout.n
+        if mini and (total % mini or mini % dp):
+            raise ValueError(f"trainer.mini_batch_size={mini} must divide the rollout batch (prompts_per_step*n = "
+                             f"{total}) and be divisible by the data-parallel size {dp}")
+        per_rank = (mini or total) // dp
+        if per_rank % self.trainer.micro_batch_size:
+            raise ValueError(f"trainer.micro_batch_size={self.trainer.micro_batch_size} must divide the sequences per "
+                             f"rank per mini-batch ({per_rank})")
+        corr = self.algorithm.rollout_correction
+        if (corr is not None and corr.bypass_mode and corr.use_policy_gradient and corr.rollout_is_batch_normalize
+                and per_rank != self.trainer.micro_batch_size):
+            raise ValueError(f"algorithm.rollout_correction.rollout_is_batch_normalize in bypass policy-gradient mode "
+                             f"needs one micro-batch per rank: set trainer.micro_batch_size={per_rank} (the "
+                             f"sequences per rank per mini-batch) or rollout_is_batch_normalize: false")
+        heads = self.model.num_attention_heads
+        if heads % self.parallel.tp or self.model.num_query_groups % self.parallel.tp:
+            raise ValueError(f"model heads ({heads}) and query groups ({self.model.num_query_groups}) must be divisible "
+                             f"by parallel.tp={self.parallel.tp}")
+        if self.model.num_layers % (self.parallel.pp * (self.parallel.vpp or 1)):
+            raise ValueError(f"model.num_layers={self.model.num_layers} must be divisible by parallel.pp*vpp")
+        return dp
+
+    def _check_task(self) -> None:
+        if self.rollout.n < 2:
+            raise ValueError(f"rollout.n={self.rollout.n}: group advantages ({self.algorithm.advantage_estimator}) "
+                             "need at least 2 samples per prompt; set rollout.n >= 2")
+        try:
+            task = get_task(self.data.task, **self.data.task_args)
+        except ValueError as err:
+            raise ValueError(f"data: {err}") from None
+        if self.model.vocab_size < task.tokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} is smaller than the vocabulary of task "
+                             f"{self.data.task!r} ({task.tokenizer.vocab_size} tokens); set model.vocab_size >= "
+                             f"{task.tokenizer.vocab_size}")
+
+
+def parse_recipe(tree: Mapping[str, Any]) -> Recipe:
+    if not isinstance(tree, Mapping):
+        raise ValueError(f"a recipe must be a YAML mapping, got {type(tree).__name__}")
+    for key in tree:
+        if key not in _SECTIONS:
+            raise ValueError(f"unknown recipe section {key!r}{did_you_mean(str(key), _SECTIONS)}; "
+                             f"allowed: {', '.join(_SECTIONS)}")
+    algorithm = dict(tree.get("algorithm") or {})
+    loss = from_mapping(LossConfig, algorithm.pop("loss", None), "algorithm.loss")
+    try:
+        correction = RolloutCorrectionConfig.from_dict(algorithm.pop("rollout_correction", None))
+    except ValueError as err:
+        raise ValueError(f"algorithm.rollout_correction: {err}") from None
+    algo = from_mapping(AlgorithmSettings, algorithm, "algorithm")
+    algo = AlgorithmSettings(**{**algo.__dict__, "loss": loss, "rollout_correction": correction})
+    return Recipe(
+        name=str(tree.get("name") or "run"),
+        model=from_mapping(ModelConfig, tree.get("model"), "model"),
+        parallel=from_mapping(ParallelSettings, tree.get("parallel"), "parallel"),
+        rollout=from_mapping(RolloutConfig, tree.get("rollout"), "rollout"),
+        data=from_mapping(DataSettings, tree.get("data"), "data"),
+        algorithm=algo,
+        optim=from_mapping(OptimSettings, tree.get("optim"), "optim"),
+        trainer=from_mapping(TrainerSettings, tree.get("trainer"), "trainer"),
+        raw=dict(tree),
+    )
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """The recipe at `path` (after its `base:` chain) with dotted `key=value` overrides applied."""
+    return parse_recipe(read_tree(Path(path), overrides))
