@@ -12,10 +12,16 @@ setup(
         "torch>=2.4",
         "megatron-core>=0.16.1,<0.20",
         "pyyaml>=6.0",
+        # Hugging Face checkpoints, tokenizers and prompt datasets (all read locally, never from a hub).
+        "safetensors>=0.4.3",
+        "tokenizers>=0.21",
+        "transformers>=4.56,<6",
+        "pyarrow>=15",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],
         "vllm": ["vllm>=0.8"],
+        "math": ["math-verify>=0.7"],
         "dev": ["pytest>=8.0", "pytest-timeout>=2.2"],
     },
     entry_points={"console_scripts": ["megatron-rlcorr=megatron_rlcorr.cli:main"]},
