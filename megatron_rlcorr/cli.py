@@ -1,11 +1,14 @@
-"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | presets.
+"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | score | export | presets.
 
     megatron-rlcorr train --config recipes/tiny_cpu.yaml [--nproc 2] [section.key=value ...]
+    megatron-rlcorr score --model SRC --rollouts IN.jsonl --out OUT.jsonl [--nproc N] [--config R] [k=v ...]
+    megatron-rlcorr export --model SRC --out DIR [--nproc N] [--dtype bfloat16|float32] [--config R] [k=v ...]
     megatron-rlcorr presets
 
-`train` validates the recipe for the requested number of processes first (so a typo fails in a
-second, not after a rendezvous), then runs `python -m torch.distributed.run --nproc_per_node N
--m megatron_rlcorr.train ...` and returns its exit code.
+Each launching command validates its arguments for the requested number of processes first (so
+a typo fails in a second, not after a rendezvous), then runs `python -m torch.distributed.run
+--standalone --nproc_per_node N -m megatron_rlcorr.<command> ...` and returns its exit code.
+`--nproc` defaults to the recipe's tp*pp*cp, or for a run checkpoint to the world size that wrote it.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import subprocess
 import sys
 
 from .config import PRESETS, RolloutCorrectionConfig
+from .runtime import EXIT_BAD_INPUT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,29 +29,83 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--nproc", type=int, default=None,
                        help="processes on this machine (default: tp*pp*cp of the recipe, at least 1)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10")
+    for name, module, help_text in (("score", "score", "the trainer's log-probs of an engine's rollouts"),
+                                    ("export", "export", "write a model as a Hugging Face checkpoint")):
+        sub = commands.add_parser(name, help=help_text)
+        _entry(module).add_arguments(sub)
+        sub.add_argument("--nproc", type=int, default=None,
+                         help="processes (default: tp*pp*cp, or the layout that wrote a run checkpoint)")
     commands.add_parser("presets", help="list the rollout correction presets and what they set")
     args = parser.parse_args(argv)
     if args.command == "presets":
         print(format_presets())
         return 0
-    return launch(args.config, args.overrides, args.nproc)
+    if args.command == "train":
+        return launch(args.config, args.overrides, args.nproc)
+    return launch_entry(args.command, args, sys.argv[2:] if argv is None else argv[1:])
+
+
+def _entry(module: str):
+    from importlib import import_module
+
+    return import_module(f"megatron_rlcorr.{module}")
 
 
 def launch(config: str, overrides: list[str], nproc: int | None) -> int:
-    from .train import EXIT_BAD_RECIPE, load_and_check
     from .recipe import load_recipe
+    from .train import load_and_check
 
     try:
         if nproc is None:
             nproc = load_recipe(config, overrides).parallel.model_parallel_size
-        if nproc < 1:
-            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        _check_nproc(nproc)
         load_and_check(config, overrides, nproc)
     except ValueError as err:
         print(f"error: recipe {config}: {err}", file=sys.stderr)
-        return EXIT_BAD_RECIPE
+        return EXIT_BAD_INPUT
+    return _torchrun("train", nproc, ["--config", config, *overrides])
+
+
+def launch_entry(command: str, args: argparse.Namespace, argv: list[str]) -> int:
+    """Validate `score` / `export` arguments in this process, then launch the entry point."""
+    from .recipe.source import checkpoint_layout, resolve_source, source_recipe
+
+    entry = _entry(command)
+    try:
+        nproc = args.nproc
+        if nproc is None:
+            layout = checkpoint_layout(resolve_source(args.model))
+            nproc = layout["world_size"] if layout else source_recipe(
+                resolve_source(args.model), args.config, args.overrides).parallel.model_parallel_size
+        _check_nproc(nproc)
+        entry.prepare(args, nproc)
+    except ValueError as err:
+        print(f"error: {command} --model {args.model}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return _torchrun(command, nproc, _without_nproc(argv))
+
+
+def _check_nproc(nproc: int) -> None:
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command's arguments minus --nproc (the entry point does not take it)."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            out.append(item)
+    return out
+
+
+def _torchrun(module: str, nproc: int, args: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "megatron_rlcorr.train", "--config", config, *overrides]
+           "-m", f"megatron_rlcorr.{module}", *args]
     print("+ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 

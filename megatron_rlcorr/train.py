@@ -1,26 +1,19 @@
 """Entry point: `torchrun --nproc_per_node=N -m megatron_rlcorr.train --config RECIPE [section.key=value ...]`.
 
 The recipe is loaded and validated (keys, types, correction block, layout for WORLD_SIZE, task)
-before any process group exists: a bad recipe stops every rank with one message and exit code 2,
-without a hanging rendezvous or a traceback. Then: gloo (CPU) or NCCL (GPU) process group,
-Megatron-Core's CPU compatibility layer when there is no GPU, parallel groups, training.
+before any process group exists: a bad recipe stops every rank with one message and exit code 2
+(runtime.report_bad_input). Then: the process groups of the recipe's layout, training.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
-import time
 
-import torch
-import torch.distributed as dist
-
-from .training.checkpoint import check_resumable
 from .recipe import Recipe, load_recipe
+from .runtime import EXIT_BAD_INPUT, launch_rank, process_groups, report_bad_input
+from .training.checkpoint import check_resumable
 
-EXIT_BAD_RECIPE = 2
-REPORT_GRACE_S = 10.0  # how long ranks other than 0 wait, on a bad recipe, for rank 0 to report it
+EXIT_BAD_RECIPE = EXIT_BAD_INPUT
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,42 +35,18 @@ def load_and_check(config: str, overrides: list[str], world_size: int) -> Recipe
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
-        recipe = load_and_check(args.config, args.overrides, world_size)
+        recipe = load_and_check(args.config, args.overrides, launch_rank()[1])
     except ValueError as err:
-        where = ""
-        if rank != 0:
-            # Rank 0 reports. torchrun stops all workers as soon as one exits non-zero, so a rank
-            # that failed its check first waits: exiting at once could get rank 0 killed before it
-            # printed. Still alive after the wait, rank 0 must have passed (e.g. it sees another
-            # filesystem): then this rank reports its own error.
-            time.sleep(REPORT_GRACE_S)
-            where = f" (rank {rank})"
-        print(f"error: recipe {args.config}{where}: {err}", file=sys.stderr, flush=True)
-        return EXIT_BAD_RECIPE
+        return report_bad_input(f"recipe {args.config}", err)
     return run(recipe)
 
 
 def run(recipe: Recipe) -> int:
-    from .parallel.cpu import enable_cpu_megatron
-    from .parallel.groups import build_parallel_groups, destroy_parallel_groups
     from .rl.trainer import train
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    try:
-        enable_cpu_megatron()
-        p = recipe.parallel
-        groups = build_parallel_groups(p.tp, p.pp, p.cp, p.vpp)
-        try:
-            train(recipe, groups)
-        finally:
-            destroy_parallel_groups()
-    finally:
-        dist.destroy_process_group()
+    with process_groups(recipe.parallel) as groups:
+        train(recipe, groups)
     return 0
 
 

@@ -53,3 +53,11 @@ def run_distributed(fn, world_size: int, *args):
                 raise AssertionError(f"rank {rank} failed:\n{rec['error']}")
             results.append(rec["result"])
         return results
+
+
+def hide_gpus() -> None:
+    """For workers that test the CPU path: on a GPU machine hide the GPUs before anything
+    initialises CUDA in the freshly spawned process (call it first; importing megatron.core
+    initialises CUDA)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    assert not torch.cuda.is_available(), "CUDA was initialised before the GPUs could be hidden"

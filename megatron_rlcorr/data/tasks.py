@@ -14,6 +14,11 @@ Their reward, with partial_credit (the default), is the fraction of the target p
 answer followed by EOS, and a random model already earns some credit, so the reward is
 informative from the first step. Without partial_credit it is 1.0 for an exact match and 0.0
 otherwise.
+
+A recipe's `data:` section (`DataSettings`) picks a built-in task, or prompt files in verl's
+schema (`train_files`, read by datasets.PromptDataset with a Hugging Face tokenizer and a reward
+from rewards.py); `build_task` turns it into the run's task. Datasets additionally walk their rows
+epoch by epoch from a position kept in the checkpoint (`take`).
 """
 from __future__ import annotations
 
@@ -21,24 +26,46 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from ..config import did_you_mean
+from ..settings import check_choice
 from .tokenizer import ARITHMETIC_ALPHABET, DEFAULT_ALPHABET, EOS_ID, CharTokenizer
+
+OnLongPrompt = Literal["drop", "error"]  # a prompt longer than max_prompt_length: skip it (counted), or stop
 
 
 @dataclass(frozen=True)
 class Prompt:
     ids: list[int]  # token ids fed to the engine (BOS first for the built-in tasks)
-    answer: str     # the ground truth the reward checks against
-    text: str = ""  # the prompt as text, for logs
+    answer: Any     # the ground truth the reward checks against (a str, or a dataset's JSON number)
+    text: str = ""  # the prompt as text, for logs (a chat prompt: its last user message)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # a dataset's whole row, passed to its reward
+
+
+class Tokenizer(Protocol):
+    """What the trainer and engines read of a task's tokenizer (CharTokenizer and HFTokenizer have it)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @runtime_checkable
 class Task(Protocol):
-    tokenizer: CharTokenizer
+    tokenizer: Tokenizer
 
     def sample_prompts(self, n: int, generator: torch.Generator | None = None) -> list[Prompt]:
         ...
@@ -167,15 +194,53 @@ def _read_jsonl(path: Path, prompt_key: str, answer_key: str, tokenizer: CharTok
 
 @dataclass(frozen=True)
 class DataSettings:
-    """The recipe's `data:` section: which task or dataset, and how many prompts per step."""
+    """The recipe's `data:` section: a built-in task or prompt files, and how many prompts per step.
 
-    task: str = "digit_sum"
+    With `train_files` the run reads a prompt dataset (verl's keys: datasets.py); otherwise it runs
+    the built-in `task` ("digit_sum" when unset) built with `task_args`.
+    """
+
+    task: str | None = None
     task_args: dict = field(default_factory=dict)
     prompts_per_step: int = 32  # global, over all data-parallel ranks
+    train_files: list[str] = field(default_factory=list)  # parquet / JSONL, read in this order
+    prompt_key: str = "prompt"  # dotted keys reach nested fields
+    answer_key: str = "reward_model.ground_truth"
+    max_prompt_length: int | None = None  # tokens after the chat template; None: no limit
+    on_long_prompt: OnLongPrompt = "drop"
+    skip_bad_rows: bool = False
+    shuffle: bool = True
+    tokenizer: str | None = None  # a tokenizer directory; default: the model's Hugging Face checkpoint
+    reward: str = "dapo_math"  # a built-in reward, or "package.module:function"
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        check_choice("on_long_prompt", self.on_long_prompt, OnLongPrompt)
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 (or null for no limit), got {self.max_prompt_length}")
+        for name in ("prompt_key", "answer_key"):
+            if not all(getattr(self, name).split(".")):
+                raise ValueError(f"{name} must be a key or a dotted path of keys like 'reward_model.ground_truth', "
+                                 f"got {getattr(self, name)!r}")
+        if not self.train_files:
+            if self.tokenizer is not None:
+                raise ValueError(f"tokenizer={self.tokenizer!r} is only read with train_files; set train_files "
+                                 "or remove tokenizer")
+            return
+        if self.task is not None:
+            raise ValueError(f"set either task ({self.task!r}, a built-in task) or train_files (a prompt dataset), "
+                             "not both")
+        if self.task_args:
+            raise ValueError(f"task_args ({', '.join(self.task_args)}) configure a built-in task; with train_files "
+                             "use the dataset keys (prompt_key, answer_key, max_prompt_length, ...) instead")
+        from .datasets import check_data_file
+
+        for i, path in enumerate(self.train_files):
+            try:
+                check_data_file(path)
+            except ValueError as err:
+                raise ValueError(f"train_files[{i}]: {err}") from None
 
 
 TASKS: dict[str, type] = {
@@ -199,3 +264,25 @@ def get_task(name: str, **kwargs) -> Task:
     if required:
         raise ValueError(f"task {name!r} needs {', '.join(required)} (set data.task_args)")
     return TASKS[name](**kwargs)
+
+
+def build_task(data: DataSettings, *, tokenizer_dir: str | None, seed: int) -> Task:
+    """The task of a recipe's `data:` section: a PromptDataset with train_files, else a built-in task.
+
+    `tokenizer_dir` is the model's Hugging Face checkpoint directory: a dataset's tokenizer unless
+    data.tokenizer names another. `seed` fixes a dataset's epoch orders.
+    """
+    if not data.train_files:
+        return get_task(data.task or "digit_sum", **data.task_args)
+    path = data.tokenizer or tokenizer_dir
+    if path is None:
+        raise ValueError("data.train_files needs a tokenizer: set data.tokenizer or model.hf_checkpoint")
+    from .datasets import PromptDataset
+    from .hf_tokenizer import HFTokenizer
+    from .rewards import get_reward_fn
+
+    reward_fn = get_reward_fn(data.reward)  # before reading the files: a typo fails fast
+    return PromptDataset(data.train_files, tokenizer=HFTokenizer(path), reward_fn=reward_fn,
+                         prompt_key=data.prompt_key, answer_key=data.answer_key,
+                         max_prompt_length=data.max_prompt_length, on_long_prompt=data.on_long_prompt,
+                         skip_bad_rows=data.skip_bad_rows, shuffle=data.shuffle, seed=seed)

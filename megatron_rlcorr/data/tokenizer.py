@@ -30,6 +30,11 @@ class CharTokenizer:
         self._ids = {ch: _SPECIALS + i for i, ch in enumerate(alphabet)}
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids a response stops on (one here; HFTokenizer may have several)."""
+        return (EOS_ID,)
+
+    @property
     def vocab_size(self) -> int:
         return _SPECIALS + len(self.alphabet)
 

@@ -9,7 +9,8 @@ vocabulary equals the real one.
 Initialisation: every weight is drawn from its own generator seeded by (seed, neutral name)
 (weights.init_full_weights), so a seed gives the same model under any TP/PP/VPP layout
 (Megatron-Core's own initialisation depends on the pipeline layout through the order in which
-stages draw random numbers).
+stages draw random numbers). With `model.hf_checkpoint` they are read from the checkpoint
+instead, each rank reading only its shards.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import PADDED_VOCAB_LOGIT, Fp8Config, ModelConfig, pad_vocab_size
-from .weights import SPLIT_DIM, SeededWeights, load_full_weights, parameter_slots
+from .weights import SPLIT_DIM, SeededWeights, WeightSource, load_full_weights, neutral_weight_shapes, parameter_slots
 
 if TYPE_CHECKING:  # megatron.core is imported only where a model is built (import time ~5 s)
     from ..parallel.groups import ParallelGroups
@@ -49,6 +50,7 @@ def transformer_config(cfg: ModelConfig, groups: ParallelGroups):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
@@ -102,10 +104,10 @@ def _layer_spec(cfg: ModelConfig, groups: ParallelGroups):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     if cfg.fp8 is not None:
         raise ValueError("model.fp8 needs Transformer Engine on a CUDA machine; remove fp8 to run without it")
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
     if groups.cp_size > 1:
         from ..parallel.cp_attention import ContextParallelAttention
 
@@ -115,15 +117,43 @@ def _layer_spec(cfg: ModelConfig, groups: ParallelGroups):
     return spec
 
 
+def initial_weights(cfg: ModelConfig, seed: int) -> WeightSource:
+    """Where a new model's weights come from: `cfg.hf_checkpoint` (its inventory checked against
+    the architecture first) or the seeded initialisation."""
+    if cfg.hf_checkpoint is None:
+        return SeededWeights(cfg, seed)
+    from .hf import HFCheckpoint
+
+    checkpoint = HFCheckpoint(cfg.hf_checkpoint)
+    checkpoint.check(neutral_weight_shapes(cfg), tied=cfg.tie_embeddings)
+    return checkpoint
+
+
+def vp_stages(groups: ParallelGroups) -> list[int | None]:
+    """The virtual pipeline stages of this rank's model chunks ([None] without interleaving)."""
+    return list(range(groups.vpp_size)) if groups.vpp_size else [None]
+
+
+def build_model_chunks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int = 1234,
+                       weights: WeightSource | None = None, init_weights: bool = True) -> list[Any]:
+    """This rank's GPTModel chunks, one per virtual pipeline stage, from one weight source (none
+    with init_weights=False: a checkpoint's state follows)."""
+    if init_weights and weights is None:
+        weights = initial_weights(cfg, seed)
+    return [build_gpt_model(cfg, groups, vp_stage=vp, seed=seed, weights=weights, init_weights=init_weights)
+            for vp in vp_stages(groups)]
+
+
 def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bool | None = None,
                     post_process: bool | None = None, vp_stage: int | None = None, seed: int = 1234,
-                    init_weights: bool = True):
+                    init_weights: bool = True, weights: WeightSource | None = None):
     """This rank's GPTModel chunk (TE layers with CUDA + Transformer Engine, else local layers).
 
     pre_process / post_process default to whether this is the first / last pipeline stage (for
-    virtual chunk `vp_stage`). Weights are `init_full_weights(cfg, seed)`, identical for every
-    parallel layout; with init_weights=False they stay uninitialised (load_full_weights or a
-    checkpoint must follow). `seed` also seeds Megatron's TP RNG tracker if nobody did yet.
+    virtual chunk `vp_stage`). Weights come from `weights`, by default `initial_weights(cfg,
+    seed)` (a Hugging Face checkpoint, or the seeded initialisation, identical for every parallel
+    layout); with init_weights=False they stay uninitialised (load_full_weights or a checkpoint
+    must follow). `seed` also seeds Megatron's TP RNG tracker if nobody did yet.
     The output layer is vocabulary-parallel ([b, s, V_padded / tp] per TP rank); logits of
     Megatron's vocabulary padding are PADDED_VOCAB_LOGIT.
     """
@@ -145,10 +175,13 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=cfg.rotary_base,
+        rope_scaling=cfg.rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor,
         pg_collection=groups.pg_collection,
         vp_stage=vp_stage,
     )
-    model.unpadded_vocab_size = cfg.vocab_size  # export_full_weights strips the padding rows
+    model.unpadded_vocab_size = cfg.vocab_size  # export strips the padding rows
+    model.neutral_shapes = neutral_weight_shapes(cfg)  # full shapes, for loading and streaming export
     _mark_tensor_parallel_params(model, cfg.tie_embeddings)
     # The local spec's torch norms ignore params_dtype (Megatron's Float16Module would cast them).
     for param in model.parameters():
@@ -161,7 +194,7 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
         model.output_layer.register_forward_hook(mask_padding)
     _seed_megatron_rng(seed, groups)
     if init_weights:
-        load_full_weights([model], SeededWeights(cfg, seed), groups)
+        load_full_weights([model], weights if weights is not None else initial_weights(cfg, seed), groups)
     return model
 
 

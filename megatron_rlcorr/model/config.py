@@ -1,12 +1,12 @@
 """The policy model's settings: the recipe's `model:` section (architecture, precision, FP8).
 
-Architecture: token embedding; per layer RMSNorm -> GQA causal self-attention with rotary
-embeddings (rotate-half, non-interleaved; optional q/k/v bias) -> residual -> RMSNorm -> SwiGLU
-MLP down(silu(gate(x)) * up(x)) -> residual; final RMSNorm; output layer (tied to the embedding
-or not). No dropout, no linear biases besides q/k/v. Field names are Megatron-Core's.
+The architecture is architecture.DecoderShape's (Megatron-Core field names). With
+`hf_checkpoint: DIR` it comes from the checkpoint's config.json (hf.py) and the weights from its
+safetensors; architecture keys also given in the recipe must agree with config.json.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from ..settings import check_choice, from_mapping
-from .architecture import attention_head_dim, check_positive, check_positive_ints
+from .architecture import DecoderShape, check_positive_ints
 
 Fp8Format = Literal["e4m3", "hybrid"]
 Fp8RecipeName = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
@@ -52,8 +52,11 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     rotary_base: float = 10000.0
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False           # RMSNorm of every query and key head (Qwen3)
     tie_embeddings: bool = False
     norm_epsilon: float = 1e-6
+    rope_scaling: bool = False           # LLaMA 3.x rotary frequency scaling
+    rope_scaling_factor: float = 8.0
     init_method_std: float = 0.02
     params_dtype: ParamsDtype | None = None  # None: "bfloat16" with bf16, else "float32"
     bf16: bool = False
@@ -61,6 +64,9 @@ class ModelConfig:
     # Megatron pads the vocabulary to a multiple of this times the TP size (GEMM efficiency);
     # the padding never gets probability (PADDED_VOCAB_LOGIT).
     make_vocab_size_divisible_by: int = 128
+    # A Hugging Face checkpoint directory: architecture from its config.json, initial weights from
+    # its safetensors (instead of the seeded initialisation).
+    hf_checkpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -69,11 +75,10 @@ class ModelConfig:
             object.__setattr__(self, "params_dtype", "bfloat16" if self.bf16 else "float32")
         if isinstance(self.fp8, Mapping):
             object.__setattr__(self, "fp8", from_mapping(Fp8Config, self.fp8, "fp8"))
-        check_positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                                   "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
-                                   "make_vocab_size_divisible_by"))
-        check_positive(self, ("rotary_base", "norm_epsilon", "init_method_std"))
-        attention_head_dim(self.hidden_size, self.num_attention_heads, self.num_query_groups, self.kv_channels)
+        self.decoder_shape  # noqa: B018 - validates the architecture fields
+        check_positive_ints(self, ("max_position_embeddings", "make_vocab_size_divisible_by"))
+        if not self.init_method_std > 0:
+            raise ValueError(f"init_method_std must be > 0, got {self.init_method_std!r}")
         check_choice("params_dtype", self.params_dtype, ParamsDtype)
         if self.params_dtype != ("bfloat16" if self.bf16 else "float32"):
             raise ValueError(f"params_dtype={self.params_dtype!r} does not match bf16={self.bf16}: use "
@@ -81,6 +86,11 @@ class ModelConfig:
                              "params_dtype unset (the optimizer keeps float32 master weights either way)")
         if self.fp8 is not None and not self.bf16:
             raise ValueError("fp8 needs bf16: true (FP8 GEMMs run inside a BF16 model)")
+
+    @property
+    def decoder_shape(self) -> DecoderShape:
+        """The architecture alone, as the reference forward and the rollout engines take it."""
+        return DecoderShape(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecoderShape)})
 
     @property
     def head_dim(self) -> int:
@@ -92,8 +102,14 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any] | None) -> "ModelConfig":
-        """From a recipe's `model:` mapping; unknown or missing keys raise ValueError."""
-        return from_mapping(cls, mapping or {}, "model")
+        """From a recipe's `model:` mapping; unknown or missing keys raise ValueError. With
+        `hf_checkpoint`, the architecture keys come from its config.json (hf.read_architecture)."""
+        mapping = dict(mapping or {})
+        if mapping.get("hf_checkpoint") is not None:
+            from .hf import merge_architecture
+
+            mapping = merge_architecture(mapping, str(mapping["hf_checkpoint"]))
+        return from_mapping(cls, mapping, "model")
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:

@@ -12,27 +12,36 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from .architecture import DecoderShape, rotary_inv_freq
 from .config import ModelConfig
 
-def reference_forward(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, tokens_BT: torch.Tensor) -> torch.Tensor:
-    """float32 logits [B, T, vocab_size] of the architecture above, in plain torch.
+
+def reference_forward(weights: Mapping[str, torch.Tensor], cfg: ModelConfig | DecoderShape,
+                      tokens_BT: torch.Tensor) -> torch.Tensor:
+    """float32 logits [B, T, vocab_size] of the architecture (architecture.py), in plain torch.
 
     Positions are 0..T-1 for every row (right padding). With tied embeddings the output layer
     is embed.weight (lm_head.weight is not read). Differentiable with respect to `weights`.
     The independent reference for the parallel model and for rollout engines.
     """
+    shape = cfg.decoder_shape if isinstance(cfg, ModelConfig) else cfg
     w = {name: t.float() for name, t in weights.items()}
     batch, seq = tokens_BT.shape
-    n_heads, n_groups, hd = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
-    cos_TD, sin_TD = _rotary_cos_sin(seq, hd, cfg.rotary_base, tokens_BT.device)
+    n_heads, n_groups, hd = shape.num_attention_heads, shape.num_query_groups, shape.head_dim
+    cos_TD, sin_TD = _rotary_cos_sin(seq, shape, tokens_BT.device)
     causal_TT = torch.ones(seq, seq, dtype=torch.bool, device=tokens_BT.device).tril()
     x_BTH = w["embed.weight"][tokens_BT]
-    for i in range(cfg.num_layers):
+    eps = shape.norm_epsilon
+    for i in range(shape.num_layers):
         p = f"layers.{i}."
-        h_BTH = _rms_norm(x_BTH, w[p + "attn_norm.weight"], cfg.norm_epsilon)
+        h_BTH = _rms_norm(x_BTH, w[p + "attn_norm.weight"], eps)
         q, k, v = (F.linear(h_BTH, w[p + n + ".weight"], w.get(p + n + ".bias")) for n in ("q", "k", "v"))
-        q_BNTD = _rotate(q.view(batch, seq, n_heads, hd).transpose(1, 2), cos_TD, sin_TD)
-        k_BGTD = _rotate(k.view(batch, seq, n_groups, hd).transpose(1, 2), cos_TD, sin_TD)
+        q_BTND, k_BTGD = q.view(batch, seq, n_heads, hd), k.view(batch, seq, n_groups, hd)
+        if shape.qk_layernorm:  # per head, before the rotation
+            q_BTND = _rms_norm(q_BTND, w[p + "q_norm.weight"], eps)
+            k_BTGD = _rms_norm(k_BTGD, w[p + "k_norm.weight"], eps)
+        q_BNTD = _rotate(q_BTND.transpose(1, 2), cos_TD, sin_TD)
+        k_BGTD = _rotate(k_BTGD.transpose(1, 2), cos_TD, sin_TD)
         v_BGTD = v.view(batch, seq, n_groups, hd).transpose(1, 2)
         k_BNTD = k_BGTD.repeat_interleave(n_heads // n_groups, dim=1)
         v_BNTD = v_BGTD.repeat_interleave(n_heads // n_groups, dim=1)
@@ -40,19 +49,19 @@ def reference_forward(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, tok
         probs = scores.masked_fill(~causal_TT, float("-inf")).softmax(dim=-1)
         attn_BTH = (probs @ v_BNTD).transpose(1, 2).reshape(batch, seq, n_heads * hd)
         x_BTH = x_BTH + F.linear(attn_BTH, w[p + "o.weight"])
-        h_BTH = _rms_norm(x_BTH, w[p + "mlp_norm.weight"], cfg.norm_epsilon)
+        h_BTH = _rms_norm(x_BTH, w[p + "mlp_norm.weight"], eps)
         mlp = F.silu(F.linear(h_BTH, w[p + "gate.weight"])) * F.linear(h_BTH, w[p + "up.weight"])
         x_BTH = x_BTH + F.linear(mlp, w[p + "down.weight"])
-    x_BTH = _rms_norm(x_BTH, w["final_norm.weight"], cfg.norm_epsilon)
-    return F.linear(x_BTH, w["embed.weight" if cfg.tie_embeddings else "lm_head.weight"])
+    x_BTH = _rms_norm(x_BTH, w["final_norm.weight"], eps)
+    return F.linear(x_BTH, w["embed.weight" if shape.tie_embeddings else "lm_head.weight"])
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
 
 
-def _rotary_cos_sin(seq: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+def _rotary_cos_sin(seq: int, shape: DecoderShape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rotary_inv_freq(shape, device)
     angles_TD = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv_freq).repeat(1, 2)
     return angles_TD.cos(), angles_TD.sin()
 

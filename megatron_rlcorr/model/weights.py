@@ -19,6 +19,16 @@ tensor parallelism gives each rank whole groups; linear_fc1 holds [gate shard; u
 rank; linear_proj and linear_fc2 are split along their input dimension; embedding and output
 layer along the (padded) vocabulary.
 
+With q/k norms (Qwen3) a layer also has `layers.{i}.q_norm.weight` and `k_norm.weight` [hd].
+
+Loading (`load_full_weights`) reads from a weight source: a mapping of full tensors, the seeded
+initialisation, or a Hugging Face checkpoint (hf.HFCheckpoint), each answering `read(name, dim,
+start, stop)` with a slice. Every rank reads only the tensors its pipeline chunks hold and only
+its tensor-parallel slice of them, so the whole model never exists on a rank.
+
+Exporting (`iter_full_weights`) yields one full tensor at a time: its owning pipeline stage
+gathers it over TP and broadcasts it over PP. Peak extra memory is about one full tensor.
+
 Seeded initial weights: each tensor is drawn from a generator seeded by (seed, neutral name), so
 they do not depend on the layout. Distributions follow Megatron-Core: N(0, std) for embedding,
 output layer, q/k/v, gate and up; N(0, std/sqrt(2*num_layers)) for o and down; zero biases;
@@ -28,18 +38,51 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .architecture import DecoderShape
 from .config import ModelConfig
 
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
+
+class WeightSource(Protocol):
+    """Full neutral tensors, read by slices (a Hugging Face checkpoint, the seeded initialisation,
+    a mapping of tensors)."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of `name`; ValueError naming it when the source has no such tensor."""
+        ...
+
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """[start, stop) along `dim` of `name` (the whole tensor when start is None), any dtype."""
+        ...
+
+
+class MappingSource:
+    """A WeightSource over a mapping of full tensors (or anything with `[name]`)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._get(name).shape)
+
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        tensor = self._get(name)
+        return tensor if start is None else tensor.narrow(dim, start, stop - start)
+
+    def _get(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"load_full_weights: missing {name}")
+        return self.tensors[name]
+
 
 def init_full_weights(cfg: ModelConfig, seed: int, layers: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
     """Seeded initial weights (float32, neutral names) of `layers` (default all) plus the
@@ -80,22 +123,40 @@ class SeededWeights(Mapping):
             std /= math.sqrt(2.0 * self.cfg.num_layers)
         return torch.randn(shape, generator=generator) * std
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.shapes:
+            raise ValueError(f"load_full_weights: the model has no weight {name}")
+        return self.shapes[name]
 
-# Canonical order of a layer's neutral weights (biases only with add_qkv_bias).
-_LAYER_ORDER = ("attn_norm.weight", "q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias", "o.weight",
-                "mlp_norm.weight", "gate.weight", "up.weight", "down.weight")
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        tensor = self[name]  # drawn whole: the generator's stream does not allow drawing a slice
+        return tensor if start is None else tensor.narrow(dim, start, stop - start)
 
 
-def neutral_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def as_weight_source(weights: WeightSource | Mapping[str, torch.Tensor]) -> WeightSource:
+    """`weights` itself when it reads by slices, else a MappingSource over it."""
+    return weights if hasattr(weights, "read") else MappingSource(weights)
+
+
+# Canonical order of a layer's neutral weights (biases only with add_qkv_bias, q/k norms only
+# with qk_layernorm).
+_LAYER_ORDER = ("attn_norm.weight", "q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias",
+                "q_norm.weight", "k_norm.weight", "o.weight", "mlp_norm.weight", "gate.weight", "up.weight",
+                "down.weight")
+
+
+def neutral_weight_shapes(shape: DecoderShape | ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every neutral weight name of the model with its full shape, in canonical order."""
-    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim
+    h, f, v, hd = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size, shape.head_dim
+    q_dim, kv_dim = shape.num_attention_heads * hd, shape.num_query_groups * hd
     per_layer = {"attn_norm.weight": (h,), "q.weight": (q_dim, h), "q.bias": (q_dim,), "k.weight": (kv_dim, h),
-                 "k.bias": (kv_dim,), "v.weight": (kv_dim, h), "v.bias": (kv_dim,), "o.weight": (h, q_dim),
-                 "mlp_norm.weight": (h,), "gate.weight": (f, h), "up.weight": (f, h), "down.weight": (h, f)}
-    names = [n for n in _LAYER_ORDER if cfg.add_qkv_bias or not n.endswith(".bias")]
+                 "k.bias": (kv_dim,), "v.weight": (kv_dim, h), "v.bias": (kv_dim,), "q_norm.weight": (hd,),
+                 "k_norm.weight": (hd,), "o.weight": (h, q_dim), "mlp_norm.weight": (h,), "gate.weight": (f, h),
+                 "up.weight": (f, h), "down.weight": (h, f)}
+    names = [n for n in _LAYER_ORDER if (shape.add_qkv_bias or not n.endswith(".bias"))
+             and (shape.qk_layernorm or n not in ("q_norm.weight", "k_norm.weight"))]
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h)}
-    for i in range(cfg.num_layers):
+    for i in range(shape.num_layers):
         shapes.update({f"layers.{i}.{n}": per_layer[n] for n in names})
     shapes.update({"final_norm.weight": (h,), "lm_head.weight": (v, h)})
     return shapes
@@ -108,6 +169,8 @@ _LAYER_PARAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.linear_qkv.layer_norm_weight": ("replicated", ("attn_norm.weight",)),
     "self_attention.linear_qkv.weight": ("qkv", ("q.weight", "k.weight", "v.weight")),
     "self_attention.linear_qkv.bias": ("qkv", ("q.bias", "k.bias", "v.bias")),
+    "self_attention.q_layernorm.weight": ("replicated", ("q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("replicated", ("k_norm.weight",)),
     "self_attention.linear_proj.weight": ("split_input", ("o.weight",)),
     "pre_mlp_layernorm.weight": ("replicated", ("mlp_norm.weight",)),
     "mlp.linear_fc1.layer_norm_weight": ("replicated", ("mlp_norm.weight",)),
@@ -158,59 +221,72 @@ def _is_tied(model) -> bool:
     return bool(_unwrap(model).share_embeddings_and_output_weights)
 
 
-@torch.no_grad()
-def export_full_weights(model_chunks: Sequence[Any], groups: ParallelGroups) -> dict[str, torch.Tensor]:
-    """All weights of the model, unsharded, float32, in the neutral naming, on every rank.
-
-    Collective over the TP group (all-gather) and the PP group (each stage broadcasts its
-    layers): every rank of the model-parallel group must call it. CP/DP replicas hold the same
-    weights and need not coordinate. Memory: the whole model in float32 on every rank, on the
-    parameters' device; meant for models that fit (pushing weights to an in-process rollout engine).
-    """
-    first = _unwrap(model_chunks[0])
-    vocab_size = _real_vocab_size(first)
-    tied = _is_tied(first)
-    local: dict[str, torch.Tensor] = {}
-    for chunk in model_chunks:
-        for slot in parameter_slots(chunk, tied):
-            if tied and slot.names == ("embed.weight",) and "embed.weight" in local:
-                continue
-            # A copy: the result must not alias the parameters the optimizer updates in place.
-            full = _gather_tp(slot.param.detach().to(torch.float32, copy=True), slot.layout, groups)
-            local.update(_to_neutral(full, slot, _unwrap(chunk).config, groups.tp_size, vocab_size))
-    weights = _all_gather_stages(local, groups.pp)
-    if tied:
-        weights["lm_head.weight"] = weights["embed.weight"]
-    return dict(sorted(weights.items(), key=lambda kv: _neutral_order(kv[0])))
-
-
-@torch.no_grad()
-def load_full_weights(model_chunks: Sequence[Any], weights: Mapping[str, torch.Tensor],
-                      groups: ParallelGroups) -> None:
-    """Set this rank's shards of every parameter from full neutral weights (inverse of export).
-
-    `weights` needs the entries this rank's chunks hold (others are ignored); Megatron's
-    vocabulary padding rows are set to zero. With tied embeddings lm_head.weight is not read.
-    No communication.
-    """
-    for chunk in model_chunks:
-        gpt = _unwrap(chunk)
-        for slot in parameter_slots(gpt, _is_tied(gpt)):
-            missing = [n for n in slot.names if n not in weights]
-            if missing:
-                raise KeyError(f"load_full_weights: missing {', '.join(missing)}")
-            full = _from_neutral([weights[n] for n in slot.names], slot.layout, gpt.config, groups.tp_size)
-            if slot.layout == "vocab":
-                full = _pad_rows(full, slot.param.shape[0] * groups.tp_size)
-            shard = _shard_tp(full, slot.layout, groups.tp_size, groups.tp_rank)
-            if shard.shape != slot.param.shape:
-                raise ValueError(f"{'/'.join(slot.names)}: shapes {[tuple(weights[n].shape) for n in slot.names]} "
-                                 f"do not give this rank's parameter shape {tuple(slot.param.shape)}")
-            slot.param.copy_(shard)
-
-
 def _real_vocab_size(gpt) -> int:
     return getattr(gpt, "unpadded_vocab_size", gpt.vocab_size)
+
+
+# ---- export: Megatron shards -> full neutral tensors -------------------------------------------
+
+@torch.no_grad()
+def iter_full_weights(model_chunks: Sequence[Any], groups: ParallelGroups,
+                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """(neutral name, full tensor in `dtype`) for every weight of the model, layer by layer, one
+    at a time, on every rank of the model-parallel group (lm_head.weight is not repeated
+    when embeddings are tied).
+
+    Collective over TP (the owning stage all-gathers a tensor's shards) and PP (the owning stage
+    broadcasts it): every rank of the model-parallel group must consume the whole iterator.
+    CP/DP replicas hold the same weights and need not coordinate. Each tensor is a fresh copy on
+    the parameters' device, never an alias of a parameter.
+    """
+    first = _unwrap(model_chunks[0])
+    tied, vocab_size = _is_tied(first), _real_vocab_size(first)
+    mine: dict[tuple[str, ...], tuple[Any, Slot]] = {}
+    for chunk in model_chunks:
+        for slot in parameter_slots(chunk, tied):
+            mine.setdefault(slot.names, (_unwrap(chunk), slot))
+    device = next(first.parameters()).device
+    for names, stage in _owners(list(mine), groups):
+        tensors: dict[str, torch.Tensor] = {}
+        if stage == groups.pp_rank:
+            gpt, slot = mine[names]
+            full = _gather_tp(slot.param.detach(), slot.layout, groups)
+            tensors = _to_neutral(full, slot, gpt.config, groups.tp_size, vocab_size)
+        for name in names:
+            if name in tensors:
+                tensor = tensors[name].to(dtype, copy=True).contiguous()
+            else:
+                tensor = torch.empty(first.neutral_shapes[name], dtype=dtype, device=device)
+            if groups.pp_size > 1:
+                dist.broadcast(tensor, src=dist.get_global_rank(groups.pp, stage), group=groups.pp)
+            yield name, tensor
+
+
+def _owners(local: list[tuple[str, ...]], groups: ParallelGroups) -> list[tuple[tuple[str, ...], int]]:
+    """(slot names, the first pipeline stage holding them) over all stages, in canonical order."""
+    per_stage = [local]
+    if groups.pp_size > 1:
+        per_stage = [None] * groups.pp_size
+        dist.all_gather_object(per_stage, local, group=groups.pp)
+    owner: dict[tuple[str, ...], int] = {}
+    for stage, names_list in enumerate(per_stage):
+        for names in names_list:
+            owner.setdefault(tuple(names), stage)
+    return sorted(owner.items(), key=lambda item: _neutral_order(item[0][0]))
+
+
+@torch.no_grad()
+def export_full_weights(model_chunks: Sequence[Any], groups: ParallelGroups) -> dict[str, torch.Tensor]:
+    """All weights of the model, unsharded, float32, in the neutral naming, on every rank
+    (iter_full_weights collected; lm_head.weight aliases embed.weight when tied).
+
+    Memory: the whole model in float32 on every rank; meant for models that fit (the embedded
+    rollout engine). Streaming consumers use iter_full_weights.
+    """
+    weights = dict(iter_full_weights(model_chunks, groups))
+    if _is_tied(model_chunks[0]):
+        weights["lm_head.weight"] = weights["embed.weight"]
+    return dict(sorted(weights.items(), key=lambda item: _neutral_order(item[0])))
 
 
 SPLIT_DIM = {"vocab": 0, "qkv": 0, "gate_up": 0, "split_input": 1}
@@ -222,12 +298,6 @@ def _gather_tp(shard: torch.Tensor, layout: str, groups: ParallelGroups) -> torc
     parts = [torch.empty_like(shard) for _ in range(groups.tp_size)]
     dist.all_gather(parts, shard.contiguous(), group=groups.tp)
     return torch.cat(parts, dim=SPLIT_DIM[layout])
-
-
-def _shard_tp(full: torch.Tensor, layout: str, tp_size: int, tp_rank: int) -> torch.Tensor:
-    if layout == "replicated" or tp_size == 1:
-        return full
-    return full.chunk(tp_size, dim=SPLIT_DIM[layout])[tp_rank]
 
 
 def _to_neutral(full: torch.Tensor, slot: Slot, config, tp_size: int, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -249,48 +319,6 @@ def _to_neutral(full: torch.Tensor, slot: Slot, config, tp_size: int, vocab_size
     return {slot.names[0]: full}
 
 
-def _from_neutral(tensors: list[torch.Tensor], layout: str, config, tp_size: int) -> torch.Tensor:
-    """The TP-gathered Megatron tensor built from neutral tensors (inverse of _to_neutral)."""
-    if layout == "qkv":
-        q, k, v = tensors
-        groups, group_heads = config.num_query_groups, config.num_attention_heads // config.num_query_groups
-        rest, hd = q.shape[1:], config.kv_channels
-        per_group = torch.cat([q.reshape(groups, group_heads, hd, *rest), k.reshape(groups, 1, hd, *rest),
-                               v.reshape(groups, 1, hd, *rest)], dim=1)
-        return per_group.reshape(-1, *rest)
-    if layout == "gate_up":
-        gate, up = tensors
-        rest = gate.shape[1:]
-        per_rank = torch.stack([gate.reshape(tp_size, -1, *rest), up.reshape(tp_size, -1, *rest)], dim=1)
-        return per_rank.reshape(-1, *rest)
-    return tensors[0]
-
-
-def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
-    if full.shape[0] > rows:
-        raise ValueError(f"embedding has {full.shape[0]} rows, more than the model's padded vocabulary {rows}")
-    return F.pad(full, (0, 0, 0, rows - full.shape[0]))
-
-
-def _all_gather_stages(local: dict[str, torch.Tensor], pp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-    """Union of every pipeline stage's tensors, on every stage (one broadcast per tensor)."""
-    pp_size = dist.get_world_size(pp_group)
-    if pp_size == 1:
-        return local
-    device = next(iter(local.values())).device
-    merged: dict[str, torch.Tensor] = {}
-    for stage in range(pp_size):
-        src = dist.get_global_rank(pp_group, stage)
-        is_src = stage == dist.get_rank(pp_group)
-        manifest = [[(name, tuple(t.shape)) for name, t in local.items()] if is_src else None]
-        dist.broadcast_object_list(manifest, src=src, group=pp_group, device=device)
-        for name, shape in manifest[0]:
-            tensor = local[name].contiguous() if is_src else torch.empty(shape, dtype=torch.float32, device=device)
-            dist.broadcast(tensor, src=src, group=pp_group)
-            merged.setdefault(name, tensor)
-    return merged
-
-
 def _neutral_order(name: str) -> tuple:
     head, _, rest = name.partition(".")
     if head == "layers":
@@ -299,3 +327,59 @@ def _neutral_order(name: str) -> tuple:
     return ({"embed": 0, "final_norm": 2, "lm_head": 3}[head], 0, 0)
 
 
+# ---- load: weight source -> this rank's Megatron shards ------------------------------------------
+
+@torch.no_grad()
+def load_full_weights(model_chunks: Sequence[Any], weights: WeightSource | Mapping[str, torch.Tensor],
+                      groups: ParallelGroups) -> None:
+    """Set this rank's shards of every parameter from full neutral weights (inverse of export).
+
+    `weights` is a WeightSource or a mapping of full tensors; only the tensors this rank's chunks
+    hold are read, and only this TP rank's slice of each. Megatron's vocabulary padding rows are
+    set to zero; with tied embeddings lm_head.weight is not read. No communication.
+    """
+    source = as_weight_source(weights)
+    for chunk in model_chunks:
+        gpt = _unwrap(chunk)
+        for slot in parameter_slots(gpt, _is_tied(gpt)):
+            for name in slot.names:
+                if source.shape(name) != gpt.neutral_shapes[name]:
+                    raise ValueError(f"{name} has shape {source.shape(name)}, the model needs "
+                                     f"{gpt.neutral_shapes[name]}")
+            shard = _read_shard(source, slot, gpt, groups.tp_size, groups.tp_rank)
+            if shard.shape != slot.param.shape:
+                raise ValueError(f"{'/'.join(slot.names)}: the slice read has shape {tuple(shard.shape)}, this "
+                                 f"rank's parameter {tuple(slot.param.shape)}")
+            slot.param.copy_(shard)
+
+
+def _read_shard(source: WeightSource, slot: Slot, gpt, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's part of a slot, read slice by slice (Megatron's layouts: weights.py docstring)."""
+    names, rows = slot.names, slot.param.shape[0]
+    if slot.layout == "replicated":
+        return source.read(names[0])
+    if slot.layout == "vocab":
+        start, real = tp_rank * rows, _real_vocab_size(gpt)
+        part = source.read(names[0], 0, min(start, real), min(start + rows, real))
+        return F.pad(part, (0, 0, 0, rows - part.shape[0]))
+    if slot.layout == "split_input":
+        width = slot.param.shape[1]
+        return source.read(names[0], 1, tp_rank * width, (tp_rank + 1) * width)
+    if slot.layout == "gate_up":
+        half = rows // 2
+        return torch.cat([source.read(n, 0, tp_rank * half, (tp_rank + 1) * half) for n in names])
+    config = gpt.config
+    local_groups, hd = config.num_query_groups // tp_size, config.kv_channels
+    group_rows = (config.num_attention_heads // config.num_query_groups) * hd
+    first = tp_rank * local_groups
+    q = source.read(names[0], 0, first * group_rows, (first + local_groups) * group_rows)
+    k, v = (source.read(n, 0, first * hd, (first + local_groups) * hd) for n in names[1:])
+    return _fuse_qkv(q, k, v, local_groups, hd)
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, hd: int) -> torch.Tensor:
+    """Megatron's linear_qkv rows for `groups` query groups: [q heads of g, k_g, v_g] per group."""
+    rest = q.shape[1:]
+    per_group = torch.cat([q.reshape(groups, -1, hd, *rest), k.reshape(groups, 1, hd, *rest),
+                           v.reshape(groups, 1, hd, *rest)], dim=1)
+    return per_group.reshape(-1, *rest)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..config import RolloutCorrectionConfig, did_you_mean
-from ..data.tasks import DataSettings, get_task
+from ..data.tasks import DataSettings, build_task
 from ..model.config import ModelConfig
 from ..parallel.layout import ParallelSettings
 from ..rl.settings import AlgorithmSettings, TrainerSettings
@@ -47,8 +47,8 @@ class Recipe:
         return Path(self.trainer.output_dir) / self.name
 
     def check_layout(self, world_size: int) -> int:
-        """Validate the layout against the launch; returns the data-parallel size."""
-        dp = self.parallel.data_parallel_size(world_size)
+        """Validate the whole run against the launch; returns the data-parallel size."""
+        dp = self.check_model_layout(world_size)
         self._check_task()
         prompts = self.data.prompts_per_step
         if prompts % dp:
@@ -69,6 +69,12 @@ class Recipe:
             raise ValueError(f"algorithm.rollout_correction.rollout_is_batch_normalize in bypass policy-gradient mode "
                              f"needs one micro-batch per rank: set trainer.micro_batch_size={per_rank} (the "
                              f"sequences per rank per mini-batch) or rollout_is_batch_normalize: false")
+        return dp
+
+    def check_model_layout(self, world_size: int) -> int:
+        """Validate the model's parallel layout against the launch (what building the model needs,
+        e.g. for `score` and `export`); returns the data-parallel size."""
+        dp = self.parallel.data_parallel_size(world_size)
         heads = self.model.num_attention_heads
         if heads % self.parallel.tp or self.model.num_query_groups % self.parallel.tp:
             raise ValueError(f"model heads ({heads}) and query groups ({self.model.num_query_groups}) must be divisible "
@@ -82,13 +88,15 @@ class Recipe:
             raise ValueError(f"rollout.n={self.rollout.n}: group advantages ({self.algorithm.advantage_estimator}) "
                              "need at least 2 samples per prompt; set rollout.n >= 2")
         try:
-            task = get_task(self.data.task, **self.data.task_args)
+            task = build_task(self.data, tokenizer_dir=self.model.hf_checkpoint, seed=self.trainer.seed)
         except ValueError as err:
             raise ValueError(f"data: {err}") from None
         if self.model.vocab_size < task.tokenizer.vocab_size:
-            raise ValueError(f"model.vocab_size={self.model.vocab_size} is smaller than the vocabulary of task "
-                             f"{self.data.task!r} ({task.tokenizer.vocab_size} tokens); set model.vocab_size >= "
-                             f"{task.tokenizer.vocab_size}")
+            what = "data.train_files' tokenizer" if self.data.train_files else f"task {self.data.task or 'digit_sum'!r}"
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} is smaller than the vocabulary of {what} "
+                             f"({task.tokenizer.vocab_size} tokens): token ids would fall outside the model; use a "
+                             f"model whose vocabulary covers the tokenizer (model.vocab_size >= "
+                             f"{task.tokenizer.vocab_size})")
 
 
 def parse_recipe(tree: Mapping[str, Any]) -> Recipe:
@@ -108,7 +116,7 @@ def parse_recipe(tree: Mapping[str, Any]) -> Recipe:
     algo = AlgorithmSettings(**{**algo.__dict__, "loss": loss, "rollout_correction": correction})
     return Recipe(
         name=str(tree.get("name") or "run"),
-        model=from_mapping(ModelConfig, tree.get("model"), "model"),
+        model=ModelConfig.from_dict(tree.get("model")),
         parallel=from_mapping(ParallelSettings, tree.get("parallel"), "parallel"),
         rollout=from_mapping(RolloutConfig, tree.get("rollout"), "rollout"),
         data=from_mapping(DataSettings, tree.get("data"), "data"),

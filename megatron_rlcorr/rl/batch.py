@@ -10,6 +10,7 @@ returned so the trainer can report `rollout_corr/invalid_rollout_token_fraction`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,22 +30,8 @@ def build_step_batch(groups: RolloutGroups, advantages_B: torch.Tensor, *,
     advantages_B: one advantage per sequence (flat g * n + j order), spread over its response
     tokens. The width T is the longest sequence rounded up to `pad_multiple`.
     """
-    prompt_ids, response_ids = groups.prompt_ids(), groups.response_ids
-    num_seqs = len(prompt_ids)
-    longest = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-    width = -(-longest // pad_multiple) * pad_multiple
-    tokens_BT = torch.zeros(num_seqs, width, dtype=torch.int64)
-    rollout_lp_BT = torch.zeros(num_seqs, width, dtype=torch.float32)
-    response_BT = torch.zeros(num_seqs, width, dtype=torch.bool)
-    for i, (prompt, response, logprobs) in enumerate(zip(prompt_ids, response_ids, groups.logprobs)):
-        if not prompt:
-            raise ValueError(f"sequence {i} has an empty prompt; prompts need at least one token (BOS)")
-        start, length = len(prompt) - 1, len(response)
-        tokens_BT[i, : len(prompt) + length] = torch.tensor(prompt + response, dtype=torch.int64)
-        rollout_lp_BT[i, start:start + length] = logprobs.float()
-        response_BT[i, start:start + length] = True
-    targets_BT = torch.zeros_like(tokens_BT)
-    targets_BT[:, :-1] = tokens_BT[:, 1:]
+    tokens_BT, targets_BT, response_BT, rollout_lp_BT = padded_sequences(
+        groups.prompt_ids(), groups.response_ids, groups.logprobs, pad_multiple=pad_multiple)
     invalid_BT = response_BT & (~torch.isfinite(rollout_lp_BT) | (rollout_lp_BT > 0))
     mask_BT = response_BT & ~invalid_BT
     batch = StepBatch(
@@ -55,6 +42,31 @@ def build_step_batch(groups: RolloutGroups, advantages_B: torch.Tensor, *,
         advantages_BT=advantages_B.float()[:, None] * mask_BT.float(),
     )
     return batch, invalid_BT.sum()
+
+
+def padded_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                     logprobs: Sequence[torch.Tensor | Sequence[float]] | None = None, *, pad_multiple: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens_BT, targets_BT, response_BT bool, log-probs_BT float32) of prompt + response rows,
+    right-padded with PAD = 0 to the longest row rounded up to `pad_multiple` (module docstring);
+    `logprobs` gives one value per response token (zeros when None)."""
+    num_seqs = len(prompt_ids)
+    longest = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    width = -(-longest // pad_multiple) * pad_multiple
+    tokens_BT = torch.zeros(num_seqs, width, dtype=torch.int64)
+    logprobs_BT = torch.zeros(num_seqs, width, dtype=torch.float32)
+    response_BT = torch.zeros(num_seqs, width, dtype=torch.bool)
+    for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+        if not prompt:
+            raise ValueError(f"sequence {i} has an empty prompt; prompts need at least one token (BOS)")
+        start, length = len(prompt) - 1, len(response)
+        tokens_BT[i, : len(prompt) + length] = torch.tensor(list(prompt) + list(response), dtype=torch.int64)
+        if logprobs is not None:
+            logprobs_BT[i, start:start + length] = torch.as_tensor(logprobs[i], dtype=torch.float32)
+        response_BT[i, start:start + length] = True
+    targets_BT = torch.zeros_like(tokens_BT)
+    targets_BT[:, :-1] = tokens_BT[:, 1:]
+    return tokens_BT, targets_BT, response_BT, logprobs_BT
 
 
 def slice_batch(batch: StepBatch, start: int, end: int) -> StepBatch:

@@ -85,12 +85,10 @@ class RolloutGroups:
         )
 
 
-def generate_groups(engine: RolloutEngine, task: Task, num_prompts: int, *, rollout: RolloutConfig,
-                    overlong: OverlongPenalty, prompt_generator: torch.Generator,
-                    sample_generator: torch.Generator) -> RolloutGroups:
-    """Draw `num_prompts` prompts, sample `rollout.n` responses for each and score them."""
-    prompts = task.sample_prompts(num_prompts, prompt_generator)
-    n = rollout.n
+def generate_groups(engine: RolloutEngine, task: Task, prompts: list[Prompt], *, rollout: RolloutConfig,
+                    overlong: OverlongPenalty, sample_generator: torch.Generator) -> RolloutGroups:
+    """Sample `rollout.n` responses for each prompt and score them."""
+    n, num_prompts = rollout.n, len(prompts)
     out = engine.generate([p.ids for p in prompts for _ in range(n)], max_new_tokens=rollout.max_new_tokens,
                           temperature=rollout.temperature, top_p=rollout.top_p, generator=sample_generator)
     scores = [task.reward(prompts[i // n], response) for i, response in enumerate(out.response_ids)]

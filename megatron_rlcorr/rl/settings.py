@@ -30,6 +30,8 @@ class TrainerSettings:
     log_every: int = 1
     tensorboard: bool = True       # when tensorboard is installed
     exit_interval: int = 0         # Megatron's --exit-interval: save and stop after steps divisible by it; 0 = off
+    save_hf: bool = False          # at the end of the run, also write <run_dir>/hf as a Hugging Face checkpoint
+    save_hf_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "ppo_epochs", "log_every"):

@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..data.tasks import DataSettings, get_task
+from ..data.datasets import PromptDataset
+from ..data.tasks import DataSettings, Prompt, build_task
 from ..model.config import ModelConfig
 from ..model.weights import export_full_weights
 from ..parallel.groups import ParallelGroups
 from ..parallel.layout import ParallelSettings
-from ..rollout import DecoderShape, RolloutConfig, make_engine
+from ..rollout import RolloutConfig, make_engine
 from ..training import checkpoint
 from ..training.optimizer import OptimSettings, build_model_and_optimizer
 from ..training.step import StepBatch, StepConfig, StepResult, compute_old_log_probs, train_minibatch
@@ -42,16 +43,7 @@ from .settings import AlgorithmSettings, TrainerSettings
 # Per-rank sums sent from the rollout source to its replica, then summed over DP.
 _ROLLOUT_SUMS = ("round0_score", "round0_samples", "batch_reward", "batch_score", "batch_samples",
                  "response_tokens", "eos_samples", "invalid_tokens", "all_tokens", "rounds",
-                 "informative_fraction", "filler_fraction", "replicas")
-
-
-def decoder_shape(model_cfg) -> DecoderShape:
-    """The rollout engine's view of the policy architecture."""
-    return DecoderShape(vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
-                        num_layers=model_cfg.num_layers, num_attention_heads=model_cfg.num_attention_heads,
-                        num_query_groups=model_cfg.num_query_groups, ffn_hidden_size=model_cfg.ffn_hidden_size,
-                        rotary_base=model_cfg.rotary_base, norm_epsilon=model_cfg.norm_epsilon,
-                        kv_channels=model_cfg.kv_channels)
+                 "informative_fraction", "filler_fraction", "replicas", "dropped_long_prompts", "skipped_bad_rows")
 
 
 class RunSettings(Protocol):
@@ -85,7 +77,10 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.run_dir = recipe.run_dir
         self.rank0 = dist.get_rank() == 0
-        self.task = get_task(recipe.data.task, **recipe.data.task_args)
+        self.task = build_task(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint, seed=recipe.trainer.seed)
+        # A dataset is read in order (its position is in every checkpoint); built-in tasks draw.
+        self.dataset = self.task if isinstance(self.task, PromptDataset) else None
+        self.data_position = 0
         self.groups_per_rank = recipe.data.prompts_per_step // self.dp_size
         trainer = recipe.trainer
         self.model, self.optimizer, self.scheduler = build_model_and_optimizer(
@@ -96,7 +91,7 @@ class Trainer:
         self.engine = None
         if is_rollout_source(groups):
             tok = self.task.tokenizer
-            self.engine = make_engine(recipe.rollout, decoder_shape(recipe.model), eos_token_id=tok.eos_id,
+            self.engine = make_engine(recipe.rollout, recipe.model.decoder_shape, eos_token_id=tok.eos_ids,
                                       pad_token_id=tok.pad_id, device=self.device)
         # step.py pads for CP itself; sequence parallelism also needs each CP chunk divisible by tp.
         self.pad_multiple = 2 * groups.cp_size * groups.tp_size if recipe.parallel.sequence_parallel else 1
@@ -124,13 +119,16 @@ class Trainer:
                     break
         finally:
             logger.close()
+        if trainer.save_hf and start < trainer.steps:
+            self.save_hf()
         if self.rank0:
             print(f"metrics: {logger.path}", flush=True)
         return self.run_dir
 
     def train_step(self, step: int) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        batch, sums = self.rollouts(step)
+        step_prompts, data_metrics = self._step_prompts()
+        batch, sums = self.rollouts(step, step_prompts)
         t_gen = time.perf_counter()
         old_log_probs = None
         if self.step_cfg.correction.needs_old_log_prob_pass:
@@ -141,31 +139,54 @@ class Trainer:
         t_train = time.perf_counter()
         self._push_weights()
         t_end = time.perf_counter()
-        metrics = {**_rollout_metrics(sums), **_train_metrics(results)}
+        metrics = {**_rollout_metrics(sums), **_train_metrics(results), **data_metrics}
         metrics.update({"timing/gen_s": t_gen - t0, "timing/train_s": t_train - t_gen,
                         "timing/weight_sync_s": t_end - t_train, "timing/step_s": t_end - t0,
                         "throughput/tokens_per_s": sums["all_tokens"] / (t_end - t0)})
         return metrics
 
-    def rollouts(self, step: int) -> tuple[StepBatch, dict[str, torch.Tensor]]:
+    def _step_prompts(self) -> tuple[list[Prompt] | None, dict[str, torch.Tensor]]:
+        """This DP rank's round-0 prompts from the dataset (None for built-in tasks) and the data
+        metrics. Every rank reads the same `prompts_per_step` prompts from the same position, so
+        all agree on the next position (and checkpoint it); DP rank d keeps its d-th share."""
+        if self.dataset is None:
+            return None, {}
+        taken = self.dataset.take(self.data_position, self.recipe.data.prompts_per_step)
+        self.data_position = taken.next_position
+        share = slice(self.groups.dp_rank * self.groups_per_rank, (self.groups.dp_rank + 1) * self.groups_per_rank)
+        metrics = {"data/epoch": torch.tensor(self.data_position / self.dataset.num_rows),
+                   "data/round0_dropped_long_prompts": torch.tensor(float(taken.dropped_long)),
+                   "data/round0_skipped_bad_rows": torch.tensor(float(taken.skipped_bad))}
+        return taken.prompts[share], metrics
+
+    def rollouts(self, step: int, step_prompts: list[Prompt] | None = None
+                 ) -> tuple[StepBatch, dict[str, torch.Tensor]]:
         """This DP replica's StepBatch (identical on its TP/CP/PP ranks) and DP-summed rollout stats."""
         batch = sums_vec = None
         if self.engine is not None:
-            batch, sums_vec = self._generate(step)
+            batch, sums_vec = self._generate(step, step_prompts)
         batch, sums_vec = share_in_model_parallel(batch, sums_vec, self.groups, num_extras=len(_ROLLOUT_SUMS),
                                                   device=self.device)
         dist.all_reduce(sums_vec, group=self.groups.dp)
         return batch, dict(zip(_ROLLOUT_SUMS, sums_vec.unbind()))
 
-    def _generate(self, step: int) -> tuple[StepBatch, torch.Tensor]:
+    def _generate(self, step: int, step_prompts: list[Prompt] | None) -> tuple[StepBatch, torch.Tensor]:
         recipe, dp_rank = self.recipe, self.groups.dp_rank
         seed = recipe.trainer.seed
+        dropped = {"long": 0, "bad": 0}  # prompts the top-up rounds skipped
 
         def draw(round_: int, num_prompts: int) -> RolloutGroups:
+            prompt_generator = seeded_generator(seed, "prompts", step, dp_rank, round_)
+            if round_ == 0 and step_prompts is not None:
+                prompts = step_prompts
+            elif self.dataset is not None:  # top-up rounds draw at random, off the epoch order
+                drawn = self.dataset.draw(num_prompts, prompt_generator)
+                prompts, dropped["long"], dropped["bad"] = (drawn.prompts, dropped["long"] + drawn.dropped_long,
+                                                            dropped["bad"] + drawn.skipped_bad)
+            else:
+                prompts = self.task.sample_prompts(num_prompts, prompt_generator)
             return generate_groups(
-                self.engine, self.task, num_prompts, rollout=recipe.rollout,
-                overlong=recipe.algorithm.overlong_penalty,
-                prompt_generator=seeded_generator(seed, "prompts", step, dp_rank, round_),
+                self.engine, self.task, prompts, rollout=recipe.rollout, overlong=recipe.algorithm.overlong_penalty,
                 sample_generator=seeded_generator(seed, "samples", step, dp_rank, round_, device=self.device))
 
         sampling = recipe.algorithm.dynamic_sampling
@@ -178,7 +199,7 @@ class Trainer:
         sums = [first.scores_GN.sum(), first.scores_GN.numel(), rollouts.rewards_GN.sum(), rollouts.scores_GN.sum(),
                 rollouts.scores_GN.numel(), lengths.sum(), sum(r == "eos" for r in rollouts.finish_reasons), invalid,
                 sum(len(p) for p in rollouts.prompt_ids()) + lengths.sum(), stats.rounds,
-                stats.informative_fraction, stats.filler_fraction, 1]
+                stats.informative_fraction, stats.filler_fraction, 1, dropped["long"], dropped["bad"]]
         return batch, torch.tensor([float(x) for x in sums], dtype=torch.float64)
 
     def _update(self, batch: StepBatch, old_log_probs: torch.Tensor | None) -> list[StepResult]:
@@ -207,6 +228,7 @@ class Trainer:
 
         state = {"step": step, "model": [chunk.state_dict() for chunk in self.model],
                  "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "data_position": self.data_position,
                  "rng": checkpoint.rng_state(), "tp_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
                  "recipe": self.recipe.raw}
         if self.rank0:
@@ -216,6 +238,17 @@ class Trainer:
 
     def _layout(self) -> dict:
         return self.recipe.parallel.layout(dist.get_world_size())
+
+    def save_hf(self) -> Path:
+        """The trained model as a Hugging Face checkpoint in <run_dir>/hf (collective)."""
+        from ..model.hf import export_hf
+
+        out = self.run_dir / "hf"
+        dtype = torch.bfloat16 if self.recipe.trainer.save_hf_dtype == "bfloat16" else torch.float32
+        export_hf(self.model, self.groups, out, self.recipe.model, dtype=dtype, tokenizer_dir=self.recipe.data.tokenizer)
+        if self.rank0:
+            print(f"hugging face checkpoint: {out}", flush=True)
+        return out
 
     def _restore_or_start(self) -> int:
         """The step to continue from: the latest checkpoint's with trainer.resume, else 0."""
@@ -238,6 +271,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tp_rng"])
+        self.data_position = state.get("data_position", 0)  # checkpoints before datasets start over
         if self.rank0:
             print(f"resumed from {checkpoint.checkpoint_dir(self.run_dir, latest)} (step {latest})", flush=True)
         return latest
@@ -257,6 +291,8 @@ def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "dynamic_sampling/informative_fraction": sums["informative_fraction"] / replicas,
         "dynamic_sampling/filler_fraction": sums["filler_fraction"] / replicas,
         "batch/valid_response_tokens": valid_tokens,
+        "data/topup_dropped_long_prompts": sums["dropped_long_prompts"],
+        "data/topup_skipped_bad_rows": sums["skipped_bad_rows"],
     }
 
 

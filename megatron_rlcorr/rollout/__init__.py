@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Sequence
+
+from ..model.architecture import DecoderShape
 from .base import RolloutBatch, RolloutConfig, RolloutEngine
-from .embedded import DecoderShape, EmbeddedEngine, random_weights, weight_shapes
+from .embedded import EmbeddedEngine, random_weights
 
-__all__ = ["DecoderShape", "EmbeddedEngine", "RolloutBatch", "RolloutConfig", "RolloutEngine", "make_engine",
-           "random_weights", "weight_shapes"]
+__all__ = ["EmbeddedEngine", "RolloutBatch", "RolloutConfig", "RolloutEngine", "make_engine", "random_weights"]
 
 
-def make_engine(cfg: RolloutConfig, shape: DecoderShape, *, eos_token_id: int | None, pad_token_id: int = 0,
-                device: torch.device | str = "cpu") -> RolloutEngine:
+def make_engine(cfg: RolloutConfig, shape: DecoderShape, *, eos_token_id: int | Sequence[int] | None,
+                pad_token_id: int = 0, device: torch.device | str = "cpu") -> RolloutEngine:
     """The engine `cfg.engine` names, running `cfg.precision`; weights come later via load_weights."""
     if cfg.engine == "embedded":
         return EmbeddedEngine(shape, precision=cfg.precision, eos_token_id=eos_token_id, pad_token_id=pad_token_id,

@@ -96,7 +96,7 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace all weights. Full, unsharded float tensors with the neutral names of
-        `embedded.weight_shapes` (embed.weight, layers.{i}.q.weight, ..., lm_head.weight)."""
+        `model.weights.neutral_weight_shapes` (embed.weight, layers.{i}.q.weight, ..., lm_head.weight)."""
         ...
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,

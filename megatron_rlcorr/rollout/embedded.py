@@ -4,9 +4,9 @@ It stands in for vLLM: a separate implementation of the trainer's architecture t
 trainer's weights after every step and runs them with its own numerics, so the trainer and the
 rollout engine disagree on token probabilities the way they do in production.
 
-Architecture: token embedding; per layer RMSNorm -> GQA causal self-attention with rotate-half
-RoPE (optional q/k/v bias) -> residual -> RMSNorm -> SwiGLU MLP down(silu(gate(x)) * up(x)) ->
-residual; final RMSNorm; lm_head (untied; pass the embedding again for tied models).
+Architecture: model.architecture.DecoderShape (GQA, optional q/k/v bias, optional per-head q/k
+RMSNorm, LLaMA-3 rope scaling). Weights come in the neutral naming of model.weights
+(`neutral_weight_shapes`), lm_head.weight included (the embedding again for tied models).
 
 Precision modes:
 - fp32: weights, activations and norms in float32.
@@ -22,64 +22,25 @@ Sequences are left-padded into one batch; positions start at 0 at each prompt's 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..model.architecture import attention_head_dim, check_positive, check_positive_ints
+from ..model.architecture import DecoderShape, rotary_inv_freq
+from ..model.weights import neutral_weight_shapes
 from .base import FinishReason, LogprobsMode, Precision, RolloutBatch
 from .precision import fp8_e4m3_qdq
 
 _LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-@dataclass(frozen=True)
-class DecoderShape:
-    """Architecture hyper-parameters of the decoder (Megatron-Core names)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    rotary_base: float = 10000.0
-    norm_epsilon: float = 1e-6
-    kv_channels: int | None = None  # head dim; None = hidden_size // num_attention_heads
-
-    def __post_init__(self) -> None:
-        check_positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                                   "num_query_groups", "ffn_hidden_size"))
-        check_positive(self, ("rotary_base", "norm_epsilon"))
-        attention_head_dim(self.hidden_size, self.num_attention_heads, self.num_query_groups, self.kv_channels)
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-
-def weight_shapes(shape: DecoderShape, qkv_bias: bool = False) -> dict[str, tuple[int, ...]]:
-    """The neutral weight names every rollout engine loads, with their full (unsharded) shapes."""
-    h, hd, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
-    q_dim, kv_dim = shape.num_attention_heads * hd, shape.num_query_groups * hd
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (shape.vocab_size, h)}
-    for i in range(shape.num_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "attn_norm.weight": (h,), p + "q.weight": (q_dim, h), p + "k.weight": (kv_dim, h),
-                       p + "v.weight": (kv_dim, h), p + "o.weight": (h, q_dim), p + "mlp_norm.weight": (h,),
-                       p + "gate.weight": (f, h), p + "up.weight": (f, h), p + "down.weight": (h, f)})
-        if qkv_bias:
-            shapes.update({p + "q.bias": (q_dim,), p + "k.bias": (kv_dim,), p + "v.bias": (kv_dim,)})
-    shapes.update({"final_norm.weight": (h,), "lm_head.weight": (shape.vocab_size, h)})
-    return shapes
-
-
-def random_weights(shape: DecoderShape, *, generator: torch.Generator | None = None, std: float = 0.02,
-                   qkv_bias: bool = False) -> dict[str, torch.Tensor]:
+def random_weights(shape: DecoderShape, *, generator: torch.Generator | None = None,
+                   std: float = 0.02) -> dict[str, torch.Tensor]:
     """A random float32 state dict in the neutral naming: N(0, std) matrices and biases, unit norms."""
     weights = {}
-    for name, dims in weight_shapes(shape, qkv_bias).items():
+    for name, dims in neutral_weight_shapes(shape).items():
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(dims)
         else:
@@ -92,6 +53,8 @@ class _Layer:
     attn_norm: torch.Tensor
     qkv: torch.Tensor  # [q_dim + 2 kv_dim, H]: q, k and v fused into one matmul
     qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim], with qk_layernorm
+    k_norm: torch.Tensor | None
     o: torch.Tensor
     mlp_norm: torch.Tensor
     gate_up: torch.Tensor  # [2F, H]
@@ -136,42 +99,41 @@ def _left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple
 class EmbeddedEngine:
     """Rollout engine running the decoder in-process with fp32, bf16 or emulated fp8 numerics."""
 
-    def __init__(self, shape: DecoderShape, *, precision: Precision = "fp32", eos_token_id: int | None = None,
-                 pad_token_id: int = 0, logprobs: LogprobsMode = "tempered",
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, shape: DecoderShape, *, precision: Precision = "fp32",
+                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
+                 logprobs: LogprobsMode = "tempered", device: torch.device | str = "cpu") -> None:
         if precision not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp8', got {precision!r}")
         if logprobs not in ("tempered", "processed"):
             raise ValueError(f"logprobs must be 'tempered' or 'processed', got {logprobs!r}")
         self.shape = shape
         self.precision = precision
-        self.eos_token_id = eos_token_id
+        # Several ids may end a response (Qwen's <|im_end|> and <|endoftext|>).
+        self.eos_ids = tuple([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or ())
         self.pad_token_id = pad_token_id
         self.logprobs_mode = logprobs
         self.device = torch.device(device)
         self.dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-        half = torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim
-        self._inv_freq = (1.0 / shape.rotary_base ** half).float().to(self.device)
+        self._inv_freq = rotary_inv_freq(shape, self.device)
         self.weights: _Weights | None = None  # in the engine's precision, q/k/v and gate/up fused
 
     # ---- weights -------------------------------------------------------------------------------
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        qkv_bias = "layers.0.q.bias" in state_dict
-        expected = weight_shapes(self.shape, qkv_bias)
+        expected = neutral_weight_shapes(self.shape)
         missing = [k for k in expected if k not in state_dict]
         unexpected = [k for k in state_dict if k not in expected]
         if missing or unexpected:
             raise ValueError(f"load_weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
                              f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} (names as in "
-                             f"rollout.embedded.weight_shapes)")
+                             f"model.weights.neutral_weight_shapes of the engine's DecoderShape)")
         for name, dims in expected.items():
             tensor = state_dict[name]
             if tuple(tensor.shape) != dims or not tensor.is_floating_point():
                 raise ValueError(f"load_weights: {name} must be a float tensor of shape {dims}, got "
                                  f"{tensor.dtype} {tuple(tensor.shape)}")
         w = {name: self._convert(name, tensor) for name, tensor in state_dict.items()}
-        layers = [self._fuse_layer(w, f"layers.{i}.", qkv_bias) for i in range(self.shape.num_layers)]
+        layers = [self._fuse_layer(w, f"layers.{i}.") for i in range(self.shape.num_layers)]
         self.weights = _Weights(embed=w["embed.weight"], layers=layers, final_norm=w["final_norm.weight"],
                                 lm_head=w["lm_head.weight"])
 
@@ -182,12 +144,11 @@ class EmbeddedEngine:
             tensor = fp8_e4m3_qdq(tensor)
         return tensor.to(self.dtype).contiguous()
 
-    @staticmethod
-    def _fuse_layer(w: dict[str, torch.Tensor], p: str, qkv_bias: bool) -> _Layer:
-        bias = torch.cat([w[p + "q.bias"], w[p + "k.bias"], w[p + "v.bias"]]) if qkv_bias else None
+    def _fuse_layer(self, w: dict[str, torch.Tensor], p: str) -> _Layer:
+        bias = torch.cat([w[p + "q.bias"], w[p + "k.bias"], w[p + "v.bias"]]) if self.shape.add_qkv_bias else None
         return _Layer(attn_norm=w[p + "attn_norm.weight"],
                       qkv=torch.cat([w[p + "q.weight"], w[p + "k.weight"], w[p + "v.weight"]]), qkv_bias=bias,
-                      o=w[p + "o.weight"], mlp_norm=w[p + "mlp_norm.weight"],
+                      q_norm=w.get(p + "q_norm.weight"), k_norm=w.get(p + "k_norm.weight"), o=w[p + "o.weight"], mlp_norm=w[p + "mlp_norm.weight"],
                       gate_up=torch.cat([w[p + "gate.weight"], w[p + "up.weight"]]), down=w[p + "down.weight"])
 
     # ---- model ---------------------------------------------------------------------------------
@@ -213,8 +174,11 @@ class EmbeddedEngine:
         batch, seq, _ = x_BTH.shape
         q_dim, kv_dim = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
         q, k, v = F.linear(x_BTH, layer.qkv, layer.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = self._apply_rope(q.view(batch, seq, -1, s.head_dim).transpose(1, 2), *rope)
-        k = self._apply_rope(k.view(batch, seq, -1, s.head_dim).transpose(1, 2), *rope)
+        q, k = q.view(batch, seq, -1, s.head_dim), k.view(batch, seq, -1, s.head_dim)
+        if layer.q_norm is not None:  # per head, before the rotation (Qwen3)
+            q, k = _rms_norm(q, layer.q_norm, s.norm_epsilon), _rms_norm(k, layer.k_norm, s.norm_epsilon)
+        q = self._apply_rope(q.transpose(1, 2), *rope)
+        k = self._apply_rope(k.transpose(1, 2), *rope)
         end = start + seq
         cache.k[idx][:, :, start:end] = k
         cache.v[idx][:, :, start:end] = v.view(batch, seq, -1, s.head_dim).transpose(1, 2)
@@ -288,8 +252,8 @@ class EmbeddedEngine:
             lengths += ~finished
             sampled.append(token_B.masked_fill(finished, self.pad_token_id))
             logprobs.append(logprob_B)
-            if self.eos_token_id is not None:
-                finished |= token_B == self.eos_token_id
+            for eos_id in self.eos_ids:
+                finished |= token_B == eos_id
             # One host sync per token: stop as soon as every sequence has ended.
             if step == max_new_tokens - 1 or bool(finished.all()):
                 break

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from ..model.build import build_gpt_model
+from ..model.build import build_model_chunks
 from ..model.config import ModelConfig
 from ..parallel.cpu import enable_cpu_megatron
 
@@ -65,21 +65,18 @@ def build_model_and_optimizer(model_cfg: ModelConfig, optim: OptimSettings, grou
     """(model_chunks, optimizer, scheduler) for this rank.
 
     model_chunks: list of DDP-wrapped GPTModel chunks (one, or vpp with virtual pipelining),
-    initialised from `init_full_weights(model_cfg, seed)` (identical under any layout).
+    initialised from `model.build.initial_weights` (model_cfg.hf_checkpoint, or the seeded
+    `init_full_weights(model_cfg, seed)`, identical under any layout).
     total_steps: the number of optimizer steps of the run (the end of lr decay).
     """
     _check_schedule(optim, total_steps)
     enable_cpu_megatron()
-    chunks = [_wrap_ddp(build_gpt_model(model_cfg, groups, vp_stage=vp, seed=seed), groups, first=(i == 0))
-              for i, vp in enumerate(_vp_stages(groups))]
+    chunks = [_wrap_ddp(chunk, groups, first=(i == 0))
+              for i, chunk in enumerate(build_model_chunks(model_cfg, groups, seed=seed))]
     optimizer = build_optimizer(chunks, model_cfg, optim, groups)
     scheduler = build_scheduler(optimizer, optim, total_steps)
     install_schedule_hooks(chunks, optimizer, groups)
     return chunks, optimizer, scheduler
-
-
-def _vp_stages(groups: ParallelGroups) -> list[int | None]:
-    return list(range(groups.vpp_size)) if groups.vpp_size else [None]
 
 
 def _check_schedule(optim: OptimSettings, total_steps: int) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist import run_distributed
+from tests.dist import hide_gpus, run_distributed
 
 pytestmark = [
     pytest.mark.distributed,
@@ -72,15 +72,6 @@ def _reference(cfg, weights, tokens, targets):
 
 # ---- worker ------------------------------------------------------------------------------------
 
-def _hide_gpus():
-    """These tests check the CPU path (gloo, local layers); on a GPU machine hide the GPUs
-    before anything initialises CUDA in this freshly spawned process (first line of a worker:
-    importing megatron.core initialises CUDA)."""
-    import os
-
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    assert not torch.cuda.is_available(), "CUDA was initialised before the GPUs could be hidden"
-
 
 def _setup(tp, pp, cp, cfg_dict):
     from megatron_rlcorr.model.config import ModelConfig
@@ -106,7 +97,7 @@ def _sgd_step_and_export(model, groups):
 def _tp_cp_worker(rank, world, tp, cp, cfg_dict, weights, tokens, targets, packed_seqs=None):
     """Padded batch, zigzag-split over CP: local logits and post-step weights; with
     `packed_seqs`, also the logits of those sequences packed into one THD batch."""
-    _hide_gpus()
+    hide_gpus()
     from megatron_rlcorr.model.build import build_gpt_model
     from megatron_rlcorr.model.weights import export_full_weights, load_full_weights
 
@@ -145,7 +136,7 @@ def _packed_logits(model, cfg, groups, seqs):
 
 def _pp_worker(rank, world, cfg_dict, weights, tokens, targets):
     """Two stages through Megatron's 1F1B schedule, two micro-batches of one sequence."""
-    _hide_gpus()
+    hide_gpus()
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron_rlcorr.model.build import build_gpt_model
     from megatron_rlcorr.model.weights import export_full_weights, load_full_weights

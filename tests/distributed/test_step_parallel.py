@@ -18,7 +18,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from tests.dist import hide_gpus, run_distributed
 
 pytestmark = [
     pytest.mark.distributed,
@@ -163,12 +163,6 @@ def _torch_step(cfg, weights, data, step_cfg):
 
 # ---- the Megatron worker ----------------------------------------------------------------------
 
-def _hide_gpus():
-    import os
-
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    assert not torch.cuda.is_available(), "CUDA was initialised before the GPUs could be hidden"
-
 
 def _export_grads(chunks, groups):
     """Full gradients (DDP main_grad buffers) in neutral names, through export_full_weights."""
@@ -187,7 +181,7 @@ def _export_grads(chunks, groups):
 
 def _train_worker(rank, world, tp, pp, cp, runs, batches):
     """For each (scenario, micro_batch_size): fresh model, one train_minibatch, results."""
-    _hide_gpus()
+    hide_gpus()
     from megatron_rlcorr.model.config import ModelConfig
     from megatron_rlcorr.model.weights import export_full_weights
     from megatron_rlcorr.training.optimizer import build_model_and_optimizer

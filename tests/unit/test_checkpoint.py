@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from megatron_rlcorr import train
+from megatron_rlcorr import runtime, train
 from megatron_rlcorr.training import checkpoint
 
 from tests.unit.test_recipes import TINY
@@ -49,7 +49,7 @@ def test_other_layout_is_refused_with_both_layouts_and_the_fix(tmp_path):
 
 
 def test_train_refuses_to_resume_on_another_layout_before_any_process_group(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train.dist, "init_process_group",
+    monkeypatch.setattr(runtime.dist, "init_process_group",
                         lambda *a, **k: pytest.fail("a process group was created for an unresumable run"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")

@@ -21,8 +21,9 @@ LAYERS = {
     "rollout": 6, "data": 6,
     "rl": 7,
     "recipe": 8,
-    "train": 9,
-    "cli": 10,
+    "runtime": 9,
+    "train": 10, "score": 10, "export": 10,
+    "cli": 11,
 }
 
 

@@ -11,7 +11,7 @@ import torch
 from megatron_rlcorr.model.config import PADDED_VOCAB_LOGIT, Fp8Config, ModelConfig, pad_vocab_size
 from megatron_rlcorr.model.reference import reference_forward
 from megatron_rlcorr.model.weights import init_full_weights, neutral_weight_shapes
-from tests.dist import run_distributed
+from tests.dist import hide_gpus, run_distributed
 
 TINY = dict(vocab_size=100, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=48)
 
@@ -104,16 +104,8 @@ def _random_weights(cfg, seed):
             for name, shape in neutral_weight_shapes(cfg).items()}
 
 
-def _hide_gpus():
-    """The CPU path is under test; on a GPU machine hide the GPUs before CUDA is initialised."""
-    import os
-
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    assert not torch.cuda.is_available(), "CUDA was initialised before the GPUs could be hidden"
-
-
 def _single_process_worker(rank, world, cases, tokens):
-    _hide_gpus()
+    hide_gpus()
     from megatron_rlcorr.model.build import build_gpt_model
     from megatron_rlcorr.model.weights import export_full_weights, load_full_weights
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron

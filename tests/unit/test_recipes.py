@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlcorr import cli, train
+from megatron_rlcorr import cli, runtime, train
 from megatron_rlcorr.config import PRESETS, RolloutCorrectionConfig
 from megatron_rlcorr.recipe import load_recipe
 
@@ -63,7 +63,7 @@ def test_bad_recipe_stops_before_any_process_group(overrides, message, monkeypat
     def no_process_group(*args, **kwargs):
         raise AssertionError("a process group was created for a bad recipe")
 
-    monkeypatch.setattr(train.dist, "init_process_group", no_process_group)
+    monkeypatch.setattr(runtime.dist, "init_process_group", no_process_group)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert train.main(["--config", str(TINY), *overrides]) == train.EXIT_BAD_RECIPE
@@ -120,9 +120,9 @@ def test_bypass_pg_batch_norm_needs_one_micro_batch_per_rank():
 
 def test_other_ranks_report_a_bad_recipe_after_rank_0_had_time_to(monkeypatch, capsys):
     naps = []
-    monkeypatch.setattr(train.time, "sleep", naps.append)
+    monkeypatch.setattr(runtime.time, "sleep", naps.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert train.main(["--config", str(TINY), "trainer.stpes=3"]) == train.EXIT_BAD_RECIPE
-    assert naps == [train.REPORT_GRACE_S]  # under torchrun, rank 0's exit stops this rank here
+    assert naps == [runtime.REPORT_GRACE_S]  # under torchrun, rank 0's exit stops this rank here
     assert capsys.readouterr().err.startswith(f"error: recipe {TINY} (rank 1): ")

@@ -1,32 +1,47 @@
 """The embedded rollout engine against an independent full-recompute forward of the same weights."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rlcorr.rollout import (DecoderShape, EmbeddedEngine, RolloutBatch, RolloutConfig, RolloutEngine,
-                                     make_engine, random_weights, weight_shapes)
+from megatron_rlcorr.model.architecture import DecoderShape
+from megatron_rlcorr.rollout import EmbeddedEngine, RolloutBatch, RolloutConfig, RolloutEngine, make_engine, random_weights
 from megatron_rlcorr.rollout.precision import E4M3_MAX, fp8_e4m3_qdq, round_to_e4m3
 
 SHAPE = DecoderShape(vocab_size=23, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                     ffn_hidden_size=48, rotary_base=500.0, norm_epsilon=1e-5)
+                     ffn_hidden_size=48, rotary_base=500.0, norm_epsilon=1e-5, add_qkv_bias=True)
+# The families of Hugging Face checkpoints: Qwen2 (q/k/v bias), LLaMA (none), Qwen3 (q/k norms, tied,
+# head_dim != hidden / heads), LLaMA-3.1 (rope scaling: base 5e5 and head_dim 16 give wavelengths in
+# all three of its regimes).
+VARIANTS = {
+    "qkv_bias": SHAPE,
+    "plain": dataclasses.replace(SHAPE, add_qkv_bias=False),
+    "qk_norm_tied_head_dim": dataclasses.replace(SHAPE, add_qkv_bias=False, qk_layernorm=True, tie_embeddings=True,
+                                                 kv_channels=16),
+    "rope_scaling": dataclasses.replace(SHAPE, add_qkv_bias=False, kv_channels=16, rotary_base=5e5,
+                                        rope_scaling=True, rope_scaling_factor=8.0),
+}
 EOS = 2
 
 
-def make_weights(seed: int = 0, std: float = 0.3, qkv_bias: bool = True) -> dict[str, torch.Tensor]:
+def make_weights(seed: int = 0, std: float = 0.3, shape: DecoderShape = SHAPE) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    weights = random_weights(SHAPE, generator=g, std=std, qkv_bias=qkv_bias)
+    weights = random_weights(shape, generator=g, std=std)
     for name in weights:
         if name.endswith("norm.weight"):  # non-trivial norm weights, so a skipped multiply shows
             weights[name] = 1.0 + 0.2 * torch.randn(weights[name].shape, generator=g)
+    if shape.tie_embeddings:
+        weights["lm_head.weight"] = weights["embed.weight"]
     return weights
 
 
-def engine(weights: dict[str, torch.Tensor], precision: str = "fp32", **kwargs) -> EmbeddedEngine:
-    eng = EmbeddedEngine(SHAPE, precision=precision, eos_token_id=kwargs.pop("eos", None), **kwargs)
+def engine(weights: dict[str, torch.Tensor], precision: str = "fp32", shape: DecoderShape = SHAPE,
+           **kwargs) -> EmbeddedEngine:
+    eng = EmbeddedEngine(shape, precision=precision, eos_token_id=kwargs.pop("eos", None), **kwargs)
     eng.load_weights(weights)
     return eng
 
@@ -37,16 +52,35 @@ def prompts(n: int, seed: int = 1, min_len: int = 1, max_len: int = 7) -> list[l
     return [[1] + torch.randint(3, SHAPE.vocab_size, (n_tok - 1,), generator=g).tolist() for n_tok in lengths]
 
 
-def reference_logits(w: dict[str, torch.Tensor], tokens: list[int]) -> torch.Tensor:
+def llama3_inv_freq(s: DecoderShape) -> torch.Tensor:
+    """LLaMA 3.1's rope scaling (low/high frequency factors 1 and 4, original context 8192), float64."""
+    hd = s.head_dim
+    inv_freq = 1.0 / s.rotary_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    if not s.rope_scaling:
+        return inv_freq
+    out = []
+    for f in inv_freq.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < 8192 / 4:
+            out.append(f)
+        elif wavelen > 8192 / 1:
+            out.append(f / s.rope_scaling_factor)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            out.append((1 - smooth) * f / s.rope_scaling_factor + smooth * f)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def reference_logits(w: dict[str, torch.Tensor], tokens: list[int], s: DecoderShape = SHAPE) -> torch.Tensor:
     """[T, V] float64 logits of one unpadded sequence: every position recomputed, one head at a time."""
-    s, hd = SHAPE, SHAPE.head_dim
+    hd = s.head_dim
     w = {k: v.double() for k, v in w.items()}
     n_tok = len(tokens)
 
     def rms(x, gain):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + s.norm_epsilon) * gain
 
-    inv_freq = 1.0 / s.rotary_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    inv_freq = llama3_inv_freq(s)
     angle = torch.arange(n_tok, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [T, hd/2]
 
     def rope(x):  # [T, hd]: rotate the pairs (i, i + hd/2) by angle i
@@ -64,8 +98,10 @@ def reference_logits(w: dict[str, torch.Tensor], tokens: list[int]) -> torch.Ten
         heads = []
         for head in range(s.num_attention_heads):
             group = head // (s.num_attention_heads // s.num_query_groups)
-            qh = rope(q[:, head * hd:(head + 1) * hd])
-            kh = rope(k[:, group * hd:(group + 1) * hd])
+            qh, kh = q[:, head * hd:(head + 1) * hd], k[:, group * hd:(group + 1) * hd]
+            if s.qk_layernorm:
+                qh, kh = rms(qh, w[p + "q_norm.weight"]), rms(kh, w[p + "k_norm.weight"])
+            qh, kh = rope(qh), rope(kh)
             scores = (qh @ kh.T / math.sqrt(hd)).masked_fill(future, -math.inf)
             heads.append(scores.softmax(-1) @ v[:, group * hd:(group + 1) * hd])
         x = x + torch.cat(heads, dim=-1) @ w[p + "o.weight"].T
@@ -74,10 +110,11 @@ def reference_logits(w: dict[str, torch.Tensor], tokens: list[int]) -> torch.Ten
     return rms(x, w["final_norm.weight"]) @ w["lm_head.weight"].T
 
 
-def reference_logprobs(w, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+def reference_logprobs(w, prompt: list[int], response: list[int], temperature: float = 1.0,
+                       shape: DecoderShape = SHAPE) -> torch.Tensor:
     """log_softmax(logits / T) of each response token, from the reference forward."""
     seq = prompt + response
-    logits = reference_logits(w, seq)[len(prompt) - 1: len(seq) - 1]
+    logits = reference_logits(w, seq, shape)[len(prompt) - 1: len(seq) - 1]
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
@@ -86,16 +123,33 @@ def weights():
     return make_weights()
 
 
-@pytest.mark.parametrize("qkv_bias", [True, False])
-def test_score_matches_reference_forward(qkv_bias):
-    weights = make_weights(qkv_bias=qkv_bias)
-    eng = engine(weights)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_score_matches_reference_forward(variant):
+    shape = VARIANTS[variant]
+    weights = make_weights(shape=shape)
+    eng = engine(weights, shape=shape)
     ps = prompts(6)
     responses = prompts(6, seed=2, max_len=5)  # ragged: left padding of prompt+response is exercised
     scored = eng.score(ps, responses, temperature=0.7)
     for p, r, got in zip(ps, responses, scored):
         assert got.dtype == torch.float32 and got.shape == (len(r),)
-        torch.testing.assert_close(got.double(), reference_logprobs(weights, p, r, 0.7), rtol=0, atol=2e-5)
+        torch.testing.assert_close(got.double(), reference_logprobs(weights, p, r, 0.7, shape), rtol=0, atol=2e-5)
+
+
+def test_the_rope_scaling_case_reaches_every_regime():
+    inv_freq = llama3_inv_freq(dataclasses.replace(VARIANTS["rope_scaling"], rope_scaling=False))
+    wavelen = 2 * math.pi / inv_freq
+    assert (wavelen < 2048).any() and (wavelen > 8192).any() and ((wavelen >= 2048) & (wavelen <= 8192)).any()
+
+
+def test_any_of_several_eos_ids_ends_a_response(weights):
+    ps = prompts(16)
+    free = engine(weights).generate(ps, max_new_tokens=8, generator=torch.Generator().manual_seed(4))
+    # the first sampled token of two responses becomes an end-of-sequence id
+    ids = {free.response_ids[0][0], free.response_ids[1][0]}
+    out = engine(weights, eos=tuple(ids)).generate(ps, max_new_tokens=8, generator=torch.Generator().manual_seed(4))
+    for row in (0, 1):
+        assert out.response_ids[row] == free.response_ids[row][:1] and out.finish_reasons[row] == "eos"
 
 
 def test_kv_cache_generation_matches_recompute(weights):
@@ -170,7 +224,7 @@ def test_eos_stops_each_sequence_and_padding_does_not_leak(weights):
         else:
             assert (r, reason) == (full, "length")
         assert lp.shape == (len(r),)
-    assert out.response_ids[0] == free.response_ids[0][:3]
+    assert out.finish_reasons[0] == "eos" and len(out.response_ids[0]) <= 3  # stopped by step 3 at the latest
     # every row of the left-padded batch generates exactly what it generates alone
     for p, r, lp in zip(ps, out.response_ids, out.logprobs):
         alone = engine(weights, eos=eos).generate([p], max_new_tokens=8, temperature=0.0)
@@ -251,14 +305,6 @@ def test_load_weights_rejects_bad_state_dicts(weights):
         engine(weights).generate([[1], []], max_new_tokens=1)
 
 
-def test_weight_shapes_neutral_naming():
-    shapes = weight_shapes(SHAPE, qkv_bias=True)
-    assert shapes["layers.1.q.weight"] == (32, 32) and shapes["layers.1.k.weight"] == (16, 32)
-    assert shapes["layers.0.k.bias"] == (16,) and shapes["layers.1.down.weight"] == (32, 48)
-    assert shapes["embed.weight"] == shapes["lm_head.weight"] == (23, 32)
-    assert len(weight_shapes(SHAPE)) == 3 + 9 * SHAPE.num_layers
-
-
 def test_decoder_shape_validation():
     with pytest.raises(ValueError, match="num_query_groups"):
         DecoderShape(10, 32, 1, 4, 3, 64)
@@ -291,7 +337,7 @@ def test_rollout_config_did_you_mean():
 def test_make_engine(weights):
     eng = make_engine(RolloutConfig(precision="fp8"), SHAPE, eos_token_id=EOS)
     assert isinstance(eng, EmbeddedEngine) and isinstance(eng, RolloutEngine)
-    assert eng.precision == "fp8" and eng.eos_token_id == EOS
+    assert eng.precision == "fp8" and eng.eos_ids == (EOS,)
     try:
         import vllm  # noqa: F401
     except ImportError:

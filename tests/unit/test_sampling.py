@@ -94,14 +94,14 @@ def test_overlong_penalty_enters_rewards_but_not_scores():
     overlong = OverlongPenalty(enabled=True, buffer=4, penalty=1.0)
     engine = _FixedEngine([2, 4, 6, 8])  # excess over 8 - 4: 0, 0, 2, 4 -> penalty 0, 0, -0.5, -1
     gen = torch.Generator().manual_seed(0)
-    groups = generate_groups(engine, task, 2, rollout=cfg, overlong=overlong, prompt_generator=gen,
-                             sample_generator=gen)
+    prompts = task.sample_prompts(2, gen)
+    groups = generate_groups(engine, task, prompts, rollout=cfg, overlong=overlong, sample_generator=gen)
     torch.testing.assert_close(groups.rewards_GN - groups.scores_GN,
                                torch.tensor([[0.0, 0.0, -0.5, -1.0]] * 2))
-    off = generate_groups(engine, task, 2, rollout=cfg, overlong=OverlongPenalty(enabled=False),
-                          prompt_generator=torch.Generator().manual_seed(0), sample_generator=gen)
+    off = generate_groups(engine, task, prompts, rollout=cfg, overlong=OverlongPenalty(enabled=False),
+                          sample_generator=gen)
     assert torch.equal(off.rewards_GN, off.scores_GN)
-    assert [p.ids for p in off.prompts] == [p.ids for p in groups.prompts]  # same generator seed, same prompts
+    assert off.prompts == groups.prompts == prompts
 
 
 def test_step_batch_layout_and_invalid_rollout_tokens():

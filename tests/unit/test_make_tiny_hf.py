@@ -1,0 +1,180 @@
+"""tools/make_tiny_hf.py: the demo's Qwen2 checkpoint and DAPO parquet load, encode and score as the demo needs."""
+import hashlib
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+
+from megatron_rlcorr.data.rewards import dapo_math
+
+_PATH = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_hf.py"
+_spec = importlib.util.spec_from_file_location("make_tiny_hf", _PATH)
+mk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mk)
+
+QUESTION = re.compile(r"What is (\d)\+(\d)\? Reply with Answer: <sum>")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_hf")
+    assert mk.main(["--out", str(out), "--seed", "0"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(out):
+    return AutoTokenizer.from_pretrained(out / "model", local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model(out):
+    return AutoModelForCausalLM.from_pretrained(out / "model", local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def rows(out):
+    return pq.read_table(out / "data" / "train.parquet").to_pylist()
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_files(out):
+    assert sorted(p.name for p in (out / "model").iterdir()) == sorted(mk.MODEL_FILES)
+    assert (out / "data" / "train.parquet").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["seed"] == 0 and manifest["rows"] == 100 and manifest["parameters"] == 140_480
+
+
+def test_config_is_a_small_qwen2(out, model, tokenizer):
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["architectures"] == ["Qwen2ForCausalLM"]
+    assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "max_position_embeddings")} == {
+        "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 128}
+    assert config["vocab_size"] == len(tokenizer) == 133
+    assert config["tie_word_embeddings"] is False and config["dtype"] == "float32"
+    assert isinstance(model, Qwen2ForCausalLM) and model.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) == 140_480
+
+
+def test_weights_have_qwen2_biases_and_an_untied_head(out):
+    with safe_open(out / "model" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        head, embed = f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight")
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert f"model.layers.1.self_attn.{proj}.bias" in names
+    assert "model.layers.1.self_attn.o_proj.bias" not in names
+    assert head.shape == embed.shape == (133, 64) and not torch.equal(head, embed)
+    assert "model.layers.0.self_attn.k_proj.weight" in names
+
+
+def test_tokenizer_special_tokens_and_digits(tokenizer):
+    assert [tokenizer.convert_tokens_to_ids(t) for t in mk.SPECIAL_TOKENS] == [0, 1, 2]
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    ids = tokenizer.encode("Answer: 2048", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids) == ["Answer", ":", "Ġ", "2", "0", "4", "8"]
+    text = "Answer: 12\nso 3 + 4 = 7!"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_loaded_tokenizer_equals_the_built_one(tokenizer, rows):
+    built = mk.make_tokenizer()
+    assert type(built) is type(tokenizer) and built.get_vocab() == tokenizer.get_vocab()
+    for row in rows[:10]:
+        assert mk.prompt_ids(built, row["prompt"]) == mk.prompt_ids(tokenizer, row["prompt"])
+
+
+def test_chat_template_encodes_a_row(tokenizer, rows):
+    row = rows[0]
+    a, b = QUESTION.fullmatch(row["prompt"][0]["content"]).groups()
+    ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
+    assert tokenizer.convert_ids_to_tokens(ids) == [
+        "<|im_start|>", "user", "Ċ", "What", "Ġis", "Ġ", a, "+", b, "?", "ĠReply", "Ġwith", "ĠAnswer", ":",
+        "Ġ<", "sum", ">", "<|im_end|>", "Ċ", "<|im_start|>", "assistant", "Ċ"]
+    assert tokenizer.decode(ids) == (f"<|im_start|>user\nWhat is {a}+{b}? Reply with Answer: <sum><|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    without = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=False, return_dict=False)
+    assert ids[:len(without)] == without and len(ids) == len(without) + 3
+
+
+def test_generation_config(out, model):
+    config = json.loads((out / "model" / "generation_config.json").read_text())
+    assert config["eos_token_id"] == [2, 0] and config["pad_token_id"] == 0
+    assert model.generation_config.eos_token_id == [2, 0]
+
+
+def test_parquet_has_the_dapo_schema(out, rows):
+    schema = pq.read_schema(out / "data" / "train.parquet")
+    assert schema.names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    assert schema.field("prompt").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    assert schema.field("reward_model").type == pa.struct([("ground_truth", pa.string()), ("style", pa.string())])
+    assert schema.field("extra_info").type == pa.struct([("index", pa.int64())])
+    pairs = set()
+    for index, row in enumerate(rows):
+        assert row["data_source"] == "math_dapo" and row["ability"] == "math"
+        assert row["extra_info"] == {"index": index}
+        [message] = row["prompt"]
+        assert message["role"] == "user"
+        a, b = map(int, QUESTION.fullmatch(message["content"]).groups())
+        assert row["reward_model"] == {"ground_truth": str(a + b), "style": "rule"}
+        pairs.add((a, b))
+    assert len(rows) == len(pairs) == 100
+
+
+def test_seed_orders_the_rows():
+    assert mk.dataset_rows(0) != mk.dataset_rows(1)
+    assert sorted(r["prompt"][0]["content"] for r in mk.dataset_rows(0)) == sorted(
+        r["prompt"][0]["content"] for r in mk.dataset_rows(1))
+
+
+def test_warm_up_accuracy_at_temperature_1(out, model, tokenizer, rows):
+    """transformers' own sampler, 4 samples of each of the 100 prompts, scored by verl's DAPO verifier."""
+    prompts = torch.tensor([mk.prompt_ids(tokenizer, row["prompt"]) for row in rows for _ in range(4)])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        generated = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
+                                   temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=mk.MAX_NEW_TOKENS)
+    texts = tokenizer.batch_decode(generated[:, prompts.shape[1]:], skip_special_tokens=True)
+    truths = [row["reward_model"]["ground_truth"] for row in rows for _ in range(4)]
+    accuracy = sum(dapo_math(t, g) > 0 for t, g in zip(texts, truths)) / len(texts)
+    assert 0.2 <= accuracy <= 0.55, accuracy
+    sampled = json.loads((out / "manifest.json").read_text())["sampled_accuracy"]
+    assert sampled["samples"] == 200 and 0.2 <= sampled["accuracy"] <= 0.55
+
+
+def test_second_run_does_nothing(out, capsys):
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert mk.main(["--out", str(out)]) == 0
+    assert "already holds" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_another_seed_without_force_is_refused(out):
+    with pytest.raises(SystemExit) as err:
+        mk.main(["--out", str(out), "--seed", "1"])
+    assert err.value.code == 2
+
+
+def test_force_rewrites_the_same_bytes(out, capsys):
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "manifest.json")
+    before = {p: (_sha(p), p.stat().st_mtime_ns) for p in files}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert mk.main(["--out", str(out), "--force"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert sorted(p for p in out.rglob("*") if p.is_file() and p.name != "manifest.json") == files
+    for p in files:
+        assert _sha(p) == before[p][0], p
+    assert (out / "model" / "model.safetensors").stat().st_mtime_ns != before[out / "model" / "model.safetensors"][1]
+    again = json.loads((out / "manifest.json").read_text())
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in manifest.items() if k != "seconds"}
