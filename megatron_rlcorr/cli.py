@@ -29,20 +29,27 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--nproc", type=int, default=None,
                        help="processes on this machine (default: tp*pp*cp of the recipe, at least 1)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10")
-    for name, module, help_text in (("score", "score", "the trainer's log-probs of an engine's rollouts"),
-                                    ("export", "export", "write a model as a Hugging Face checkpoint")):
+    for name, help_text in (("score", "the trainer's log-probs of an engine's rollouts"),
+                            ("export", "write a model as a Hugging Face checkpoint")):
         sub = commands.add_parser(name, help=help_text)
-        _entry(module).add_arguments(sub)
+        _entry(name).add_arguments(sub)
         sub.add_argument("--nproc", type=int, default=None,
                          help="processes (default: tp*pp*cp, or the layout that wrote a run checkpoint)")
     commands.add_parser("presets", help="list the rollout correction presets and what they set")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options (`score ... parallel.tp=2 --nproc 2 model.bf16=true`): argparse
+    # leaves those after an option unparsed.
+    stray = [item for item in extra if item.startswith("-") or "=" not in item]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.command == "presets":
         print(format_presets())
         return 0
     if args.command == "train":
         return launch(args.config, args.overrides, args.nproc)
-    return launch_entry(args.command, args, sys.argv[2:] if argv is None else argv[1:])
+    return launch_entry(args.command, args, _entry_argv(args))
 
 
 def _entry(module: str):
@@ -82,7 +89,7 @@ def launch_entry(command: str, args: argparse.Namespace, argv: list[str]) -> int
     except ValueError as err:
         print(f"error: {command} --model {args.model}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return _torchrun(command, nproc, _without_nproc(argv))
+    return _torchrun(command, nproc, argv)
 
 
 def _check_nproc(nproc: int) -> None:
@@ -90,17 +97,12 @@ def _check_nproc(nproc: int) -> None:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
-    """The command's arguments minus --nproc (the entry point does not take it)."""
-    out, skip = [], False
-    for item in argv:
-        if skip:
-            skip = False
-        elif item == "--nproc":
-            skip = True
-        elif not item.startswith("--nproc="):
-            out.append(item)
-    return out
+def _entry_argv(args: argparse.Namespace) -> list[str]:
+    """The entry point's command line from the parsed arguments: its options (each named --<dest>),
+    then the overrides; --nproc is for torchrun, not the entry point."""
+    options = [item for dest, value in vars(args).items() if dest not in ("command", "nproc", "overrides")
+               and value is not None for item in (f"--{dest}", str(value))]
+    return [*options, *args.overrides]
 
 
 def _torchrun(module: str, nproc: int, args: list[str]) -> int:

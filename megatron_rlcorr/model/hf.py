@@ -408,7 +408,7 @@ class ShardedWriter:
         data = tensor.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy()
         with path.open("r+b") as f:
             f.seek(offset)
-            f.write(data.tobytes())
+            f.write(data.data)  # the tensor's own bytes, no copy
         self._written.add(name)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from megatron_rlcorr.config import PRESETS
 from tests.dist import run_distributed
+from tests.runs import deterministic, read_metrics, train_runs
 
 pytestmark = [
     pytest.mark.distributed,
@@ -22,18 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
 SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0",
          "trainer.tensorboard=false"]
-# Wall-clock dependent: everything else must repeat exactly.
-NONDETERMINISTIC = ("time", "timing/", "throughput/")
-
-
-def _read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _deterministic(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC)}
-
-
 def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -44,7 +33,7 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("step ") == 3 and "metrics:" in proc.stdout
     run_dir = tmp_path / "tiny_cpu"
-    records = _read_metrics(run_dir)
+    records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     required = {"reward_mean", "response_length_mean", "loss", "grad_norm", "lr", "timing/gen_s", "timing/train_s",
                 "throughput/tokens_per_s", "rollout_corr/invalid_rollout_token_fraction", "rollout_corr/k3_kl",
@@ -67,27 +56,6 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
                                                                   "vpp": None}
 
 
-def _train_runs(rank, world_size, runs):
-    """Each (recipe path, overrides) in turn, each on its recipe's layout; rank 0's metrics of each."""
-    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
-    from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
-    from megatron_rlcorr.recipe import load_recipe
-    from megatron_rlcorr.rl.trainer import train
-
-    enable_cpu_megatron()
-    out = []
-    for path, overrides in runs:
-        recipe = load_recipe(path, overrides)
-        p = recipe.parallel
-        groups = build_parallel_groups(p.tp, p.pp, p.cp, p.vpp)
-        try:
-            run_dir = train(recipe, groups)
-        finally:
-            destroy_parallel_groups()
-        out.append(_read_metrics(run_dir) if rank == 0 else None)
-    return out
-
-
 def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     k = 3
     common = [*SMALL, "algorithm.dynamic_sampling.enabled=true", "optim.warmup_steps=2", "optim.decay_style=cosine"]
@@ -99,11 +67,11 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
             # Megatron's exit interval: stops after step k with a checkpoint, the rerun resumes.
             run("exit", f"trainer.steps={2 * k}", f"trainer.exit_interval={k}"),
             run("exit", f"trainer.steps={2 * k}", f"trainer.exit_interval={k}")]
-    whole, first_half, resumed = run_distributed(_train_runs, 2, runs)[0]
+    whole, first_half, resumed = run_distributed(train_runs, 2, runs)[0]
     assert [r["step"] for r in first_half] == list(range(1, k + 1))
     assert [r["step"] for r in resumed] == list(range(1, 2 * k + 1))
     assert resumed[:k] == first_half  # steps 1..k were not re-run (their wall times are kept)...
-    assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in whole]  # ...and k+1.. repeat
+    assert [deterministic(r) for r in resumed] == [deterministic(r) for r in whole]  # ...and k+1.. repeat
     assert len({r["loss"] for r in whole}) == 2 * k  # the steps really differ
     assert whole[0]["lr"] == 0.0 and whole[-1]["lr"] != whole[2]["lr"]  # warm-up and cosine decay ran
 
@@ -115,15 +83,15 @@ def test_extending_a_finished_run_continues_it(tmp_path):
     def run(name, steps):
         return (TINY, [*SMALL, f"name={name}", f"trainer.output_dir={tmp_path}", f"trainer.steps={steps}"])
 
-    whole, short, extended = run_distributed(_train_runs, 2, [run("whole", 2 * k), run("ext", k), run("ext", 2 * k)])[0]
+    whole, short, extended = run_distributed(train_runs, 2, [run("whole", 2 * k), run("ext", k), run("ext", 2 * k)])[0]
     assert extended[:k] == short
-    assert [_deterministic(r) for r in extended] == [_deterministic(r) for r in whole]
+    assert [deterministic(r) for r in extended] == [deterministic(r) for r in whole]
 
 
 def test_every_preset_recipe_trains(tmp_path):
     runs = [(ROOT / "recipes" / f"preset_{name}.yaml",
              [*SMALL, "trainer.steps=2", f"trainer.output_dir={tmp_path}"]) for name in PRESETS]
-    results = run_distributed(_train_runs, 2, runs)[0]
+    results = run_distributed(train_runs, 2, runs)[0]
     for name, records in zip(PRESETS, results):
         assert [r["step"] for r in records] == [1, 2], name
         for record in records:
@@ -145,7 +113,7 @@ def test_tp_pp_cp_replicas_train_on_identical_rollouts(tmp_path):
     layouts = {"tp": ["parallel.tp=2"], "pp": ["parallel.pp=2"], "cp": ["parallel.cp=2"]}
     runs = [(TINY, [*SMALL, "trainer.steps=2", f"name={name}", f"trainer.output_dir={tmp_path}", *extra])
             for name, extra in layouts.items()]
-    tp, pp, cp = run_distributed(_train_runs, 2, runs)[0]
+    tp, pp, cp = run_distributed(train_runs, 2, runs)[0]
     for other in (pp, cp):
         first, ref = other[0], tp[0]
         for key in ("reward_mean", "response_length_mean", "rollout_corr/rollout_log_ppl", "batch/valid_response_tokens"):

@@ -23,10 +23,8 @@ QUESTION = re.compile(r"What is (\d)\+(\d)\? Reply with Answer: <sum>")
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_hf")
-    assert mk.main(["--out", str(out), "--seed", "0"]) == 0
-    return out
+def out(tiny_hf):
+    return tiny_hf  # conftest.py: the tool run once per session with --seed 0
 
 
 @pytest.fixture(scope="module")

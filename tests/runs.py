@@ -1,0 +1,38 @@
+"""Helpers for tests that train whole runs: metrics records, and training several recipes in turn
+inside one gloo world (`run_distributed(train_runs, world_size, runs)`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Wall-clock dependent: everything else must repeat exactly.
+NONDETERMINISTIC = ("time", "timing/", "throughput/")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC)}
+
+
+def train_runs(rank, world_size, runs):
+    """Each (recipe path, overrides) in turn, each on its recipe's layout; rank 0's metrics of each."""
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
+    from megatron_rlcorr.recipe import load_recipe
+    from megatron_rlcorr.rl.trainer import train
+
+    enable_cpu_megatron()
+    out = []
+    for path, overrides in runs:
+        recipe = load_recipe(path, overrides)
+        p = recipe.parallel
+        groups = build_parallel_groups(p.tp, p.pp, p.cp, p.vpp)
+        try:
+            run_dir = train(recipe, groups)
+        finally:
+            destroy_parallel_groups()
+        out.append(read_metrics(run_dir) if rank == 0 else None)
+    return out
