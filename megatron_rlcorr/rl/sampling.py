@@ -2,7 +2,8 @@
 
 Reproducibility: every random draw uses a fresh generator seeded from (run seed, purpose, step,
 data-parallel rank, round), so step s draws the same prompts and samples whether the run got
-there uninterrupted or resumed from a checkpoint; no sampler state needs saving.
+there uninterrupted or resumed from a checkpoint; the caller supplies each round's prompts (a
+dataset's round 0 from its checkpointed read position, everything else drawn this way).
 
 Dynamic sampling keeps the per-rank batch at exactly `num_groups` prompt groups (the training
 step's collectives and normalisers expect the same micro-batch count on every rank):

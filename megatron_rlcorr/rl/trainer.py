@@ -1,8 +1,8 @@
 """The RL loop users launch: rollouts -> advantages -> (old log-probs) -> PPO epochs -> new weights to the engine.
 
 One step:
-1. Rollouts. On each data-parallel (DP) replica, its TP/CP/PP rank 0 draws the replica's share
-   of prompts, samples `rollout.n` responses per prompt with the rollout engine, scores them,
+1. Rollouts. On each data-parallel (DP) replica, its TP/CP/PP rank 0 takes the replica's share
+   of prompts (a dataset's next prompts in its epoch order, or a built-in task's draw), samples `rollout.n` responses per prompt with the rollout engine, scores them,
    applies the overlong penalty and DAPO dynamic sampling (sampling.py), computes GRPO/RLOO
    advantages and builds the padded batch (batch.py); the batch is then broadcast to the other
    ranks of the replica, so every TP/CP/PP rank trains on identical rollouts.
@@ -11,8 +11,10 @@ One step:
 4. The updated weights are exported (full, neutral names) and loaded into the engine.
 
 Metrics are 0-d tensors until the once-per-step log. Checkpoints are per rank (training/checkpoint.py):
-model chunks, optimizer, scheduler, RNG states and the step. Prompt and sampling generators are
-derived from (seed, step, DP rank, round), so a resumed run repeats the uninterrupted one exactly.
+model chunks, optimizer, scheduler, RNG states, the step and a dataset's read position. Prompt and
+sampling generators are derived from (seed, step, DP rank, round), so a resumed run repeats the
+uninterrupted one exactly. With `trainer.save_hf` the model is also written as a Hugging Face
+checkpoint at the end (model/hf.py).
 """
 from __future__ import annotations
 
