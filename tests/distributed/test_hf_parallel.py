@@ -148,7 +148,11 @@ def test_bfloat16_export_is_the_cast(runs, checkpoints, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_loads_the_export_with_the_same_logits(runs, reference, tokens, family):
+    import transformers
+
     directory = runs["pp2vpp2"][1] / family / "float32"
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     torch.testing.assert_close(hf_logits(directory, tokens), reference[family]["logits"], atol=0, rtol=0)
 
 

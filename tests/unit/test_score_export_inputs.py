@@ -132,6 +132,7 @@ def no_launch(monkeypatch):
     (["score", "--model", "{ckpt}", "--rollouts", "{tmp}/in.jsonl", "--out", "{tmp}/o.jsonl", "parallel.tp=3"],
      "world size 3 is not divisible|model heads (4) and query groups (2) must be divisible by parallel.tp=3"),
     (["export", "--model", "{ckpt}", "--out", "{ckpt}"], "is the source checkpoint itself"),
+    (["export", "--model", "{ckpt}", "--out", "{tmp}/in.jsonl"], "exists and is not a directory"),
     (["export", "--model", "{ckpt}", "--out", "{tmp}/o", "--nproc", "0"], "--nproc must be >= 1"),
     (["export", "--model", "{ckpt}", "--out", "{tmp}/o", "parallel.pp=3"], "num_layers=4 must be divisible by"),
 ])
