@@ -1,9 +1,10 @@
-"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | score | export | presets.
+"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | score | export | presets | import-verl.
 
     megatron-rlcorr train --config recipes/tiny_cpu.yaml [--nproc 2] [section.key=value ...]
     megatron-rlcorr score --model SRC --rollouts IN.jsonl --out OUT.jsonl [--nproc N] [--config R] [k=v ...]
     megatron-rlcorr export --model SRC --out DIR [--nproc N] [--dtype bfloat16|float32] [--config R] [k=v ...]
     megatron-rlcorr presets
+    megatron-rlcorr import-verl SCRIPT_OR_YAML --out RECIPE.yaml
 
 Each launching command validates its arguments for the requested number of processes first (so
 a typo fails in a second, not after a rendezvous), then runs `python -m torch.distributed.run
@@ -36,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--nproc", type=int, default=None,
                          help="processes (default: tp*pp*cp, or the layout that wrote a run checkpoint)")
     commands.add_parser("presets", help="list the rollout correction presets and what they set")
+    importer = commands.add_parser("import-verl", help="write a recipe from a verl run script or config, and report "
+                                                       "what was mapped, what differs and what was not mapped")
+    importer.add_argument("source", metavar="SCRIPT_OR_YAML",
+                          help="a verl run script (bash), a verl YAML config or a file of key=value overrides")
+    importer.add_argument("--out", required=True, help="the recipe YAML to write")
     args, extra = parser.parse_known_args(argv)
     # Overrides may follow options (`score ... parallel.tp=2 --nproc 2 model.bf16=true`): argparse
     # leaves those after an option unparsed.
@@ -47,9 +53,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "presets":
         print(format_presets())
         return 0
+    if args.command == "import-verl":
+        return import_verl_command(args.source, args.out)
     if args.command == "train":
         return launch(args.config, args.overrides, args.nproc)
     return launch_entry(args.command, args, _entry_argv(args))
+
+
+def import_verl_command(source: str, out: str) -> int:
+    """Write the recipe imported from a verl script/config to `out` and print the import report."""
+    from .recipe.verl import format_report, import_verl, write_recipe
+
+    try:
+        result = import_verl(source)
+        write_recipe(result, out)
+    except (ValueError, OSError) as err:
+        print(f"error: import-verl: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(format_report(result))
+    print(f"wrote {out}")
+    return 0
 
 
 def _entry(module: str):

@@ -1,8 +1,9 @@
 """Configuration of the rollout correction (SPEC section 3).
 
-`RolloutCorrectionConfig` keeps verl's field names so existing recipe YAMLs load unchanged. All
-validation happens once, at construction; the correction's hot path only reads the parsed
-`rejection_rules` and plain floats.
+`RolloutCorrectionConfig` keeps verl's field names, so the rollout_correction block of a verl YAML
+loads unchanged (docs/coming-from-verl.md for the rest of a verl config). All validation happens
+once, at construction; the correction's hot path only reads the parsed `rejection_rules` and plain
+floats.
 """
 from __future__ import annotations
 
@@ -343,6 +344,12 @@ def _validate(v: dict[str, Any]) -> dict[str, Any]:
         out["rollout_is_threshold_lower"] = lower
     for name in ("rollout_is_batch_normalize", "bypass_mode", "use_policy_gradient"):
         out[name] = _as_bool(v[name], name)
+    if out["use_policy_gradient"] and not out["bypass_mode"]:
+        # verl documents that the policy-gradient loss requires bypass mode and otherwise runs PPO
+        # without a word; running REINFORCE instead would be as silent.
+        raise ValueError("use_policy_gradient=True (or the legacy loss_type: reinforce / use_pure_rollout_correction) "
+                         "requires bypass_mode=True: set bypass_mode: true for the policy-gradient loss against "
+                         "pi_rollout, or use_policy_gradient: false for PPO-clip with the decoupled correction")
     if out["rollout_is_batch_normalize"] and v["rollout_is"] is None:
         warnings.warn("rollout_is_batch_normalize has no effect with rollout_is=null (there are no weights)",
                       UserWarning, stacklevel=4)

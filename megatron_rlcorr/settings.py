@@ -4,8 +4,10 @@ Every settings type (the model's, the optimizer's, the rollout engine's, ...) li
 code that consumes it and is built from its recipe section by `from_mapping`: unknown keys get
 a "did you mean", missing required keys are named, values are checked against the field's
 annotation (bool, int, float, str, Literal, Optional, list/tuple/dict, nested dataclasses), and
-numeric strings from YAML ("1e-4") are accepted where a number is expected. `check_choice` is
-the one check of a Literal option used by the types' own validation.
+numeric strings from YAML ("1e-4") are accepted where a number is expected. A key a settings
+type no longer takes is named in its `RETIRED_KEYS` (a class attribute: key -> what replaced it),
+and meeting it stops with that explanation rather than a bare "unknown key". `check_choice` is the
+one check of a Literal option used by the types' own validation.
 """
 from __future__ import annotations
 
@@ -26,8 +28,11 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, section: str) 
         raise ValueError(f"{section} must be a mapping of settings, got {type(mapping).__name__}: {mapping!r}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = get_type_hints(cls)
+    retired = getattr(cls, "RETIRED_KEYS", {})
     kwargs = {}
     for key, value in mapping.items():
+        if key in retired:
+            raise ValueError(f"{section}.{key}: {retired[key]}")
         if key not in fields:
             raise ValueError(f"unknown key {section}.{key}{did_you_mean(str(key), list(fields))}; "
                              f"allowed: {', '.join(fields)}")

@@ -122,17 +122,19 @@ def _step_config(args, mbs: int):
 
     pg = args.loss == "pg"
     if args.mode == "decoupled":
+        # The correction's use_policy_gradient requires bypass mode; decoupled policy gradient is
+        # the loss's own loss_type below.
         correction = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=2.0,
                                              rollout_is_batch_normalize=True, rollout_rs="geometric",
-                                             rollout_rs_threshold=1.1, rollout_token_veto_threshold=1e-4,
-                                             use_policy_gradient=pg)
+                                             rollout_rs_threshold=1.1, rollout_token_veto_threshold=1e-4)
     else:
         correction = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token",
                                              rollout_rs_threshold=3.0,
                                              rollout_token_veto_threshold=0.05 if _bypass_ppo(args) else 1e-4,
                                              bypass_mode=True, use_policy_gradient=pg)
-    return StepConfig(loss=LossConfig(loss_agg_mode=args.agg, entropy_coeff=0.01), correction=correction,
-                      micro_batch_size=mbs, temperature=TEMPERATURE)
+    loss_type = "policy_gradient" if pg and args.mode == "decoupled" else "ppo_clip"
+    return StepConfig(loss=LossConfig(loss_type=loss_type, loss_agg_mode=args.agg, entropy_coeff=0.01),
+                      correction=correction, micro_batch_size=mbs, temperature=TEMPERATURE)
 
 
 def run_worker(args) -> None:
@@ -166,7 +168,7 @@ def run_worker(args) -> None:
         if not cfg.correction.bypass_mode:
             old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=cfg.micro_batch_size,
                                         temperature=cfg.temperature)
-        result = train_minibatch(chunks, optimizer, scheduler, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
         history.append({k: float(v) for k, v in result.metrics.items()})
     weights = export_full_weights(chunks, groups)
     if dist.get_rank() == 0:

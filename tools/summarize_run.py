@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROWS = (
     ("reward_mean", "reward (round-0 samples)"),
+    ("reward/acc_mean", "right answers (round 0)"),
     ("response_length_mean", "response length"),
     ("loss", "policy loss"),
     ("grad_norm", "grad norm"),

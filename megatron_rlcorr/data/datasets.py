@@ -311,8 +311,11 @@ class PromptDataset:
         """The `Task` interface: `draw(n, generator).prompts`."""
         return self.draw(n, generator).prompts
 
-    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
-        return float(self.reward_fn(self.tokenizer.decode(response_ids), prompt.answer, prompt.extra))
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float | Mapping[str, float]:
+        """The reward function's result on the decoded response: a float, or a mapping with "score"
+        (and optionally "acc"), which is passed on as it is."""
+        result = self.reward_fn(self.tokenizer.decode(response_ids), prompt.answer, prompt.extra)
+        return result if isinstance(result, Mapping) else float(result)
 
     # ---- one row ---------------------------------------------------------------------------------
 

@@ -13,7 +13,9 @@ missing one score the same).
 - "math_verify": symbolic equivalence by the optional `math-verify` package.
 
 A user's own reward is named "package.module:function" and has the signature of `RewardFn`:
-(response, ground_truth, extra) -> float, where extra holds the example's other fields. Names are
+(response, ground_truth, extra) -> float, where extra holds the example's other fields. It may
+also return a mapping with "score" and "acc" (whether the answer is right), as verl's reward
+functions do; a plain float's acc is `score >= 1` (full marks). Names are
 resolved when a recipe loads (`get_reward_fn`), so a typo or a missing package fails before the
 first rollout rather than in the middle of a run.
 """
@@ -25,7 +27,7 @@ from typing import Any, Callable
 
 from ..config import did_you_mean
 
-RewardFn = Callable[[str, Any, dict], float]
+RewardFn = Callable[[str, Any, dict], "float | dict[str, float]"]
 
 # Plain str.replace pairs, applied in this order (verl's SUBSTITUTIONS). "an " and "a " go wherever
 # they occur, inside words too ("Jordan 5" -> "Jord5"); then every remaining space goes.

@@ -70,7 +70,8 @@ class Task(Protocol):
     def sample_prompts(self, n: int, generator: torch.Generator | None = None) -> list[Prompt]:
         ...
 
-    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float | Mapping[str, float]:
+        """The response's score, or a mapping with "score" and optionally "acc" (right or not)."""
         ...
 
 

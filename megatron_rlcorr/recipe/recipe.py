@@ -54,15 +54,8 @@ class Recipe:
         if prompts % dp:
             raise ValueError(f"data.prompts_per_step={prompts} must be divisible by the data-parallel size {dp} "
                              f"(world {world_size} / tp*pp*cp {self.parallel.model_parallel_size})")
-        mini = self.trainer.mini_batch_size
-        total = prompts * self.rollout.n
-        if mini and (total % mini or mini % dp):
-            raise ValueError(f"trainer.mini_batch_size={mini} must divide the rollout batch (prompts_per_step*n = "
-                             f"{total}) and be divisible by the data-parallel size {dp}")
-        per_rank = (mini or total) // dp
-        if per_rank % self.trainer.micro_batch_size:
-            raise ValueError(f"trainer.micro_batch_size={self.trainer.micro_batch_size} must divide the sequences per "
-                             f"rank per mini-batch ({per_rank})")
+        per_rank = self._check_mini_batch(dp)
+        self._check_overlong()
         corr = self.algorithm.rollout_correction
         if (corr is not None and corr.bypass_mode and corr.use_policy_gradient and corr.rollout_is_batch_normalize
                 and per_rank != self.trainer.micro_batch_size):
@@ -70,6 +63,26 @@ class Recipe:
                              f"needs one micro-batch per rank: set trainer.micro_batch_size={per_rank} (the "
                              f"sequences per rank per mini-batch) or rollout_is_batch_normalize: false")
         return dp
+
+    def _check_mini_batch(self, dp: int) -> int:
+        """The sequences per DP rank per mini-batch, after checking the batch sizes divide."""
+        prompts, n = self.data.prompts_per_step, self.rollout.n
+        mini = self.trainer.mini_batch_prompts or prompts
+        if prompts % mini or (mini * n) % dp:
+            raise ValueError(f"trainer.mini_batch_prompts={mini} must divide data.prompts_per_step={prompts}, and its "
+                             f"sequences (x rollout.n={n}) must split evenly over the data-parallel size {dp}")
+        per_rank = mini * n // dp
+        if per_rank % self.trainer.micro_batch_size:
+            raise ValueError(f"trainer.micro_batch_size={self.trainer.micro_batch_size} must divide the sequences per "
+                             f"rank per mini-batch ({per_rank} = mini_batch_prompts {mini} x n {n} / dp {dp})")
+        return per_rank
+
+    def _check_overlong(self) -> None:
+        overlong, limit = self.algorithm.overlong_penalty, self.rollout.max_new_tokens
+        if overlong.enabled and overlong.buffer >= limit:
+            raise ValueError(f"algorithm.overlong_penalty.buffer={overlong.buffer} is not shorter than the response "
+                             f"limit rollout.max_new_tokens={limit}: every response would be penalised; use a buffer "
+                             f"below {limit} (DAPO: 4096 of 20480)")
 
     def check_model_layout(self, world_size: int) -> int:
         """Validate the model's parallel layout against the launch (what building the model needs,

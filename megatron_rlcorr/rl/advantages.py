@@ -16,11 +16,15 @@ def group_advantages(rewards_GN: torch.Tensor, estimator: Literal["grpo", "rloo"
 
     grpo: (r - group mean) / (group std + eps) (std unbiased; without norm_by_std, r - mean).
     rloo: r - mean of the OTHER samples of the group = n/(n-1) * (r - group mean).
+    A group whose rewards are all equal gets exactly 0: in float32 the mean of n equal values
+    that are not exactly representable (2/3, say) can differ from them by an ulp, and dividing
+    that by std + eps = eps made +0.056 per sample of such a group (verl computes it so).
     """
     n = rewards_GN.shape[-1]
     if n < 2:
         raise ValueError(f"group advantages need at least 2 samples per prompt (rollout.n), got {n}")
     centred = rewards_GN - rewards_GN.mean(dim=-1, keepdim=True)
+    centred = centred * informative_groups(rewards_GN)[:, None]
     if estimator == "rloo":
         return centred * (n / (n - 1))
     if not norm_by_std:

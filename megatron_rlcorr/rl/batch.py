@@ -28,10 +28,14 @@ def build_step_batch(groups: RolloutGroups, advantages_B: torch.Tensor, *,
     """(StepBatch, number of response tokens masked as invalid) for the rollout groups.
 
     advantages_B: one advantage per sequence (flat g * n + j order), spread over its response
-    tokens. The width T is the longest sequence rounded up to `pad_multiple`.
+    tokens. The width T is the longest sequence rounded up to `pad_multiple`. Filler groups
+    (dynamic sampling's) get an empty response mask: no advantage, and no place in any
+    normaliser, mean or metric downstream; their invalid tokens are not counted either.
     """
     tokens_BT, targets_BT, response_BT, rollout_lp_BT = padded_sequences(
         groups.prompt_ids(), groups.response_ids, groups.logprobs, pad_multiple=pad_multiple)
+    filler_B = groups.filler_G.repeat_interleave(groups.n)
+    response_BT &= ~filler_B[:, None]
     invalid_BT = response_BT & (~torch.isfinite(rollout_lp_BT) | (rollout_lp_BT > 0))
     mask_BT = response_BT & ~invalid_BT
     batch = StepBatch(
@@ -79,11 +83,12 @@ def is_rollout_source(groups: ParallelGroups) -> bool:
     return groups.tp_rank == 0 and groups.cp_rank == 0 and groups.pp_rank == 0
 
 
-def share_in_model_parallel(batch: StepBatch | None, extras: torch.Tensor | None, groups: ParallelGroups,
-                            *, num_extras: int, device: torch.device | str = "cpu"
-                            ) -> tuple[StepBatch, torch.Tensor]:
-    """Send the source rank's batch and a float64 vector of `num_extras` values to every rank
-    of its model-parallel group (all TP, CP and PP ranks of the same data-parallel rank).
+def share_in_model_parallel(batch: StepBatch | None, per_sequence: torch.Tensor | None, extras: torch.Tensor | None,
+                            groups: ParallelGroups, *, num_columns: int, num_extras: int,
+                            device: torch.device | str = "cpu") -> tuple[StepBatch, torch.Tensor, torch.Tensor]:
+    """Send the source rank's batch, a float64 [B, num_columns] table of per-sequence values and a
+    float64 vector of `num_extras` values to every rank of its model-parallel group (all TP, CP
+    and PP ranks of the same data-parallel rank).
 
     Broadcasts along PP, then CP, then TP, each from the group's rank 0; a rank joins a stage only
     when that stage's source already holds the data, so no group ever broadcasts garbage.
@@ -91,7 +96,8 @@ def share_in_model_parallel(batch: StepBatch | None, extras: torch.Tensor | None
     source = is_rollout_source(groups)
     if source:
         header = torch.tensor(batch.tokens_BT.shape, dtype=torch.int64, device=device)
-        tensors = [getattr(batch, name).to(device) for name in _FIELDS] + [extras.to(device, torch.float64)]
+        tensors = [getattr(batch, name).to(device) for name in _FIELDS]
+        tensors += [per_sequence.to(device, torch.float64), extras.to(device, torch.float64)]
     for group, joins in ((groups.pp, groups.tp_rank == 0 and groups.cp_rank == 0),
                          (groups.cp, groups.tp_rank == 0), (groups.tp, True)):
         if dist.get_world_size(group) == 1 or not joins:
@@ -103,8 +109,9 @@ def share_in_model_parallel(batch: StepBatch | None, extras: torch.Tensor | None
         if not source:
             shape = tuple(header.tolist())
             tensors = [torch.empty(shape, dtype=_DTYPES.get(name, torch.float32), device=device) for name in _FIELDS]
+            tensors.append(torch.empty(shape[0], num_columns, dtype=torch.float64, device=device))
             tensors.append(torch.empty(num_extras, dtype=torch.float64, device=device))
         for tensor in tensors:
             dist.broadcast(tensor, root, group=group)
         source = True  # holders are always their later groups' rank 0
-    return StepBatch(**dict(zip(_FIELDS, tensors[:-1]))), tensors[-1]
+    return StepBatch(**dict(zip(_FIELDS, tensors[:-2]))), tensors[-2], tensors[-1]

@@ -13,7 +13,7 @@ from typing import Mapping
 import torch
 
 CONSOLE_KEYS = (
-    ("reward", "reward_mean"), ("len", "response_length_mean"), ("loss", "loss"),
+    ("reward", "reward_mean"), ("acc", "reward/acc_mean"), ("len", "response_length_mean"), ("loss", "loss"),
     ("gnorm", "grad_norm"), ("k3", "rollout_corr/k3_kl"), ("lppl_diff", "rollout_corr/log_ppl_abs_diff"),
     ("ppl_ratio", "rollout_corr/ppl_ratio"),
     ("is_mean", "rollout_corr/rollout_is_mean"), ("rs_masked", "rollout_corr/rollout_rs_masked_fraction"),

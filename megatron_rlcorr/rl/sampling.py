@@ -5,28 +5,37 @@ data-parallel rank, round), so step s draws the same prompts and samples whether
 there uninterrupted or resumed from a checkpoint; the caller supplies each round's prompts (a
 dataset's round 0 from its checkpointed read position, everything else drawn this way).
 
-Dynamic sampling keeps the per-rank batch at exactly `num_groups` prompt groups (the training
-step's collectives and normalisers expect the same micro-batch count on every rank):
-- round 0 generates `num_groups` groups; groups whose rewards are all equal (zero advantage, no
-  gradient) are dropped;
-- up to `max_rounds` extra rounds generate more groups, sized by the keep rate seen so far,
-  until `num_groups` informative groups are collected; surplus informative groups are discarded;
-- if the rounds run out first, the batch is topped up with dropped groups. They have zero
-  advantage, so they add no gradient but keep the shapes; their share is reported as
-  `dynamic_sampling/filler_fraction`.
+Dynamic sampling (verl's filter_groups) keeps the per-rank batch at exactly `num_groups` prompt
+groups (the training step's collectives and normalisers expect the same micro-batch count on
+every rank):
+- the first generation batch has `num_groups` groups; groups whose `metric` (acc, score or
+  reward) is the same for all their samples are dropped;
+- more batches, sized by the keep rate seen so far, follow until `num_groups` informative groups
+  are collected, at most `max_num_gen_batches` batches in all (0: no limit); surplus informative
+  groups are discarded;
+- if the limit is reached first, the batch is topped up with dropped groups marked as fillers
+  (`on_exhausted: fill`): the batch builder gives them no advantage and an empty mask, so they
+  count in no normaliser, mean or metric; their share is `dynamic_sampling/filler_fraction`.
+  With `on_exhausted: error` the trainer stops the run instead, as verl does.
+
+Each response gets a score (the task's reward), an acc (right or not) and a reward (score plus
+the overlong penalty): verl's three dynamic-sampling metrics.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar, Literal
 
 import torch
 
-from .advantages import OverlongPenalty, informative_groups, overlong_penalty
 from ..data import Prompt, Task
 from ..rollout import RolloutConfig, RolloutEngine
+from ..settings import check_choice
+from .advantages import OverlongPenalty, informative_groups, overlong_penalty
 
 
 def derive_seed(base: int, *parts: object) -> int:
@@ -49,6 +58,14 @@ class RolloutGroups:
     finish_reasons: list[str]           # [G * n]
     scores_GN: torch.Tensor             # task reward
     rewards_GN: torch.Tensor            # score + overlong penalty: what advantages are computed from
+    acc_GN: torch.Tensor                # 1.0 for a right answer (the reward's own "acc", else score >= 1)
+    # Fillers: uninformative groups that keep the batch's shape when dynamic sampling runs out of
+    # batches. They take part in nothing: no advantage, no normaliser, no mean, no metric.
+    filler_G: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.filler_G is None:
+            self.filler_G = torch.zeros(len(self.prompts), dtype=torch.bool)
 
     @property
     def n(self) -> int:
@@ -63,6 +80,10 @@ class RolloutGroups:
     def response_lengths(self) -> torch.Tensor:
         return torch.tensor([len(r) for r in self.response_ids], dtype=torch.float32)
 
+    def metric_GN(self, metric: str) -> torch.Tensor:
+        """The dynamic-sampling metric: acc, score, or reward (score + overlong penalty)."""
+        return {"acc": self.acc_GN, "score": self.scores_GN, "reward": self.rewards_GN}[metric]
+
     def select(self, group_idx: list[int]) -> "RolloutGroups":
         rows = [g * self.n + j for g in group_idx for j in range(self.n)]
         return RolloutGroups(
@@ -72,7 +93,12 @@ class RolloutGroups:
             finish_reasons=[self.finish_reasons[r] for r in rows],
             scores_GN=self.scores_GN[group_idx].reshape(len(group_idx), self.n),
             rewards_GN=self.rewards_GN[group_idx].reshape(len(group_idx), self.n),
+            acc_GN=self.acc_GN[group_idx].reshape(len(group_idx), self.n),
+            filler_G=self.filler_G[group_idx].reshape(len(group_idx)),
         )
+
+    def as_fillers(self) -> "RolloutGroups":
+        return dataclasses.replace(self, filler_G=torch.ones(len(self), dtype=torch.bool))
 
     @staticmethod
     def concat(parts: list["RolloutGroups"]) -> "RolloutGroups":
@@ -83,7 +109,20 @@ class RolloutGroups:
             finish_reasons=[f for part in parts for f in part.finish_reasons],
             scores_GN=torch.cat([part.scores_GN for part in parts]),
             rewards_GN=torch.cat([part.rewards_GN for part in parts]),
+            acc_GN=torch.cat([part.acc_GN for part in parts]),
+            filler_G=torch.cat([part.filler_G for part in parts]),
         )
+
+
+def score_response(task: Task, prompt: Prompt, response_ids: list[int]) -> tuple[float, float]:
+    """(score, acc) of one response. A reward may return a float, or a mapping with "score" and
+    optionally "acc" (as verl's reward functions do); without "acc" a response is right when its
+    score is full marks (>= 1: dapo_math's +1, an exact built-in-task answer)."""
+    result = task.reward(prompt, response_ids)
+    if isinstance(result, Mapping):
+        score = float(result["score"])
+        return score, float(result.get("acc", score >= 1.0))
+    return float(result), float(float(result) >= 1.0)
 
 
 def generate_groups(engine: RolloutEngine, task: Task, prompts: list[Prompt], *, rollout: RolloutConfig,
@@ -92,64 +131,84 @@ def generate_groups(engine: RolloutEngine, task: Task, prompts: list[Prompt], *,
     n, num_prompts = rollout.n, len(prompts)
     out = engine.generate([p.ids for p in prompts for _ in range(n)], max_new_tokens=rollout.max_new_tokens,
                           temperature=rollout.temperature, top_p=rollout.top_p, generator=sample_generator)
-    scores = [task.reward(prompts[i // n], response) for i, response in enumerate(out.response_ids)]
-    scores_GN = torch.tensor(scores, dtype=torch.float32).reshape(num_prompts, n)
+    scored = [score_response(task, prompts[i // n], response) for i, response in enumerate(out.response_ids)]
+    scores_GN, acc_GN = torch.tensor(scored, dtype=torch.float32).reshape(num_prompts, n, 2).unbind(-1)
     rewards_GN = scores_GN
     if overlong.enabled:
         lengths_GN = torch.tensor(out.response_lengths, dtype=torch.float32).reshape(num_prompts, n)
         rewards_GN = scores_GN + overlong_penalty(lengths_GN, rollout.max_new_tokens, overlong.buffer,
                                                   overlong.penalty)
     return RolloutGroups(prompts=prompts, response_ids=out.response_ids, logprobs=list(out.logprobs),
-                         finish_reasons=list(out.finish_reasons), scores_GN=scores_GN, rewards_GN=rewards_GN)
+                         finish_reasons=list(out.finish_reasons), scores_GN=scores_GN.contiguous(),
+                         rewards_GN=rewards_GN, acc_GN=acc_GN.contiguous())
+
+
+FilterMetric = Literal["acc", "score", "reward"]
+OnExhausted = Literal["fill", "error"]
 
 
 @dataclass(frozen=True)
 class DynamicSampling:
-    """DAPO dynamic sampling: drop prompt groups whose rewards are all equal, then top the batch up."""
+    """The recipe's `algorithm.dynamic_sampling` (verl's `algorithm.filter_groups`): drop prompt
+    groups whose `metric` is equal for all their samples, then generate more until the batch is
+    full, at most `max_num_gen_batches` generation batches per step in all (0: no limit)."""
+
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "max_rounds": "max_rounds counted the extra rounds; the limit is now max_num_gen_batches, verl's count of "
+                      "all generation batches of a step, the first included (0 = no limit): max_rounds: k is "
+                      "max_num_gen_batches: k + 1",
+    }
 
     enabled: bool = False
-    max_rounds: int = 4  # extra generation rounds per step to refill dropped groups
+    metric: FilterMetric = "acc"          # acc (verl's default in the DAPO scripts), score, or reward (+ overlong)
+    max_num_gen_batches: int = 10
+    on_exhausted: OnExhausted = "fill"    # fill: inert fillers; error: stop the run, as verl does
 
     def __post_init__(self) -> None:
-        if self.max_rounds < 0:
-            raise ValueError(f"max_rounds must be >= 0, got {self.max_rounds}")
+        check_choice("metric", self.metric, FilterMetric)
+        check_choice("on_exhausted", self.on_exhausted, OnExhausted)
+        if self.max_num_gen_batches < 0:
+            raise ValueError(f"max_num_gen_batches must be >= 0 (0 = no limit), got {self.max_num_gen_batches}")
 
 
 @dataclass
 class SamplingStats:
-    rounds: int                 # generation rounds run (1 = no top-up)
-    informative_fraction: float  # share of round-0 groups with unequal rewards
-    filler_fraction: float       # share of the batch made of uninformative fillers
-    generated_groups: int        # groups generated over all rounds
+    gen_batches: int             # generation batches run (1 = no top-up)
+    informative_fraction: float  # share of round-0 groups whose metric is not constant
+    filler_fraction: float       # share of the batch made of (inert) uninformative fillers
+    generated_groups: int        # groups generated over all batches
+    exhausted: bool              # the batch limit was reached before the batch was full
 
 
-def dynamic_sample(draw: Callable[[int, int], RolloutGroups], num_groups: int, *, enabled: bool,
-                   max_rounds: int) -> tuple[RolloutGroups, RolloutGroups, SamplingStats]:
+def dynamic_sample(draw: Callable[[int, int], RolloutGroups], num_groups: int,
+                   settings: DynamicSampling) -> tuple[RolloutGroups, RolloutGroups, SamplingStats]:
     """(batch of exactly `num_groups` groups, round-0 groups, stats); `draw(round, k)` generates k groups.
 
     Round 0's groups are returned too: their reward is an unbiased estimate of the policy's
-    reward, which the filtered batch is not.
+    reward, which the filtered batch is not. Fillers, when the limit is reached first, come last
+    in the batch, marked in `filler_G`.
     """
     first = draw(0, num_groups)
-    if not enabled:
-        return first, first, SamplingStats(1, _informative_share(first), 0.0, num_groups)
-    kept, dropped, generated, rounds = [], [], 0, 0
+    if not settings.enabled:
+        return first, first, SamplingStats(1, _informative_share(first, "acc"), 0.0, num_groups, False)
+    limit = settings.max_num_gen_batches
+    kept, dropped, generated, batches = [], [], 0, 0
     batch = first
     while True:
-        mask = informative_groups(batch.rewards_GN).tolist()
+        mask = informative_groups(batch.metric_GN(settings.metric)).tolist()
         kept.append(batch.select([g for g, keep in enumerate(mask) if keep]))
         dropped.append(batch.select([g for g, keep in enumerate(mask) if not keep]))
-        generated, rounds = generated + len(batch), rounds + 1
+        generated, batches = generated + len(batch), batches + 1
         have = sum(len(k) for k in kept)
-        if have >= num_groups or rounds > max_rounds:
+        if have >= num_groups or (limit and batches >= limit):
             break
-        batch = draw(rounds, _top_up_size(num_groups - have, have / generated, num_groups))
+        batch = draw(batches, _top_up_size(num_groups - have, have / generated, num_groups))
     fillers_needed = max(num_groups - have, 0)
-    informative = RolloutGroups.concat(kept).select(list(range(min(have, num_groups))))
-    parts = [informative]
+    parts = [RolloutGroups.concat(kept).select(list(range(min(have, num_groups))))]
     if fillers_needed:
-        parts.append(RolloutGroups.concat(dropped).select(list(range(fillers_needed))))
-    stats = SamplingStats(rounds, _informative_share(first), fillers_needed / num_groups, generated)
+        parts.append(RolloutGroups.concat(dropped).select(list(range(fillers_needed))).as_fillers())
+    stats = SamplingStats(batches, _informative_share(first, settings.metric), fillers_needed / num_groups,
+                          generated, exhausted=fillers_needed > 0)
     return RolloutGroups.concat(parts), first, stats
 
 
@@ -160,5 +219,5 @@ def _top_up_size(missing: int, keep_rate: float, num_groups: int) -> int:
     return min(num_groups, max(missing, math.ceil(missing / keep_rate)))
 
 
-def _informative_share(groups: RolloutGroups) -> float:
-    return float(informative_groups(groups.rewards_GN).float().mean())
+def _informative_share(groups: RolloutGroups, metric: str) -> float:
+    return float(informative_groups(groups.metric_GN(metric)).float().mean())

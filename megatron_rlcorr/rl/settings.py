@@ -1,17 +1,21 @@
 """The RL loop's settings: the recipe's `trainer:` and `algorithm:` sections.
 
 `AlgorithmSettings` gathers what the loop applies to rollouts (advantage estimator, DAPO dynamic
-sampling and overlong penalty) with the loss and the rollout correction, whose own settings types
-live beside their code (training/losses.py, config.py).
+sampling, overlong penalty, KL in the reward) with the loss, the KL loss, the reference policy and
+the rollout correction, whose own settings types live beside their code (training/losses.py,
+training/kl.py, training/reference.py, config.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from ..config import RolloutCorrectionConfig
+from ..training.kl import KLLossSettings
 from ..training.losses import LossConfig
+from ..training.reference import ReferenceSettings
 from .advantages import OverlongPenalty
+from .kl_reward import KLInRewardSettings
 from .sampling import DynamicSampling
 
 
@@ -19,8 +23,15 @@ from .sampling import DynamicSampling
 class TrainerSettings:
     """Steps, batch sizes, seed, output, checkpoints and logging of a run."""
 
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "mini_batch_size": "the mini-batch is now counted in prompts, as verl's ppo_mini_batch_size: set "
+                           "trainer.mini_batch_prompts to mini_batch_size / rollout.n (an optimizer step then "
+                           "trains on mini_batch_prompts x n sequences over all data-parallel ranks; 0 = the "
+                           "whole step batch)",
+    }
+
     steps: int = 10
-    mini_batch_size: int = 0       # sequences per optimizer step over all DP ranks; 0 = the whole rollout batch
+    mini_batch_prompts: int = 0    # prompts (x rollout.n sequences) per optimizer step, all DP ranks; 0 = all
     micro_batch_size: int = 8      # sequences per forward pass on one rank
     ppo_epochs: int = 1
     seed: int = 1234
@@ -37,7 +48,7 @@ class TrainerSettings:
         for name in ("steps", "micro_batch_size", "ppo_epochs", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("mini_batch_size", "save_every", "exit_interval"):
+        for name in ("mini_batch_prompts", "save_every", "exit_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -50,5 +61,13 @@ class AlgorithmSettings:
     norm_adv_by_std: bool = True
     dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
     overlong_penalty: OverlongPenalty = field(default_factory=OverlongPenalty)
+    kl_loss: KLLossSettings = field(default_factory=KLLossSettings)
+    kl_in_reward: KLInRewardSettings = field(default_factory=KLInRewardSettings)
+    reference: ReferenceSettings = field(default_factory=ReferenceSettings)
     loss: LossConfig = field(default_factory=LossConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+    @property
+    def uses_reference(self) -> bool:
+        """A reference policy is built when a KL penalty (loss or reward) needs it."""
+        return self.kl_loss.enabled or self.kl_in_reward.enabled

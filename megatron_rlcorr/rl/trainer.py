@@ -18,6 +18,7 @@ checkpoint at the end (model/hf.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Protocol
@@ -35,17 +36,22 @@ from ..parallel.layout import ParallelSettings
 from ..rollout import RolloutConfig, make_engine
 from ..training import checkpoint
 from ..training.optimizer import OptimSettings, build_model_and_optimizer
-from ..training.step import StepBatch, StepConfig, StepResult, compute_old_log_probs, train_minibatch
+from ..training.reference import ReferencePolicy
+from ..training.step import (StepBatch, StepConfig, StepCorrection, StepResult, broadcast_from_last_stage,
+                             compute_old_log_probs, step_correction, train_minibatch)
 from .advantages import group_advantages
 from .batch import build_step_batch, is_rollout_source, share_in_model_parallel, slice_batch
+from .kl_reward import KLController, kl_penalised_rewards
 from .progress import MetricsLogger
 from .sampling import RolloutGroups, dynamic_sample, generate_groups, seeded_generator
 from .settings import AlgorithmSettings, TrainerSettings
 
-# Per-rank sums sent from the rollout source to its replica, then summed over DP.
-_ROLLOUT_SUMS = ("round0_score", "round0_samples", "batch_reward", "batch_score", "batch_samples",
-                 "response_tokens", "eos_samples", "invalid_tokens", "all_tokens", "rounds",
-                 "informative_fraction", "filler_fraction", "replicas", "dropped_long_prompts", "skipped_bad_rows")
+# Per-rank sums sent from the rollout source to its replica, then summed over DP. "batch_*",
+# response and token counts are over the trained batch without its fillers.
+_ROLLOUT_SUMS = ("round0_score", "round0_acc", "round0_samples", "batch_reward", "batch_score", "batch_acc",
+                 "batch_samples", "response_tokens", "eos_samples", "invalid_tokens", "all_tokens", "gen_batches",
+                 "informative_fraction", "filler_fraction", "replicas", "exhausted", "dropped_long_prompts",
+                 "skipped_bad_rows")
 
 
 class RunSettings(Protocol):
@@ -87,9 +93,14 @@ class Trainer:
         trainer = recipe.trainer
         self.model, self.optimizer, self.scheduler = build_model_and_optimizer(
             recipe.model, recipe.optim, groups, seed=trainer.seed, total_steps=trainer.steps)
-        self.step_cfg = StepConfig(loss=recipe.algorithm.loss, correction=recipe.algorithm.rollout_correction,
+        algo = recipe.algorithm
+        self.step_cfg = StepConfig(loss=algo.loss, correction=algo.rollout_correction,
                                    micro_batch_size=trainer.micro_batch_size,
-                                   temperature=recipe.rollout.temperature or 1.0)
+                                   temperature=recipe.rollout.temperature or 1.0, kl_loss=algo.kl_loss,
+                                   response_limit=recipe.rollout.max_new_tokens)
+        self.reference = (ReferencePolicy(recipe.model, groups, seed=trainer.seed, settings=algo.reference)
+                          if algo.uses_reference else None)
+        self.kl_controller = KLController(algo.kl_in_reward) if algo.kl_in_reward.enabled else None
         self.engine = None
         if is_rollout_source(groups):
             tok = self.task.tokenizer
@@ -130,22 +141,53 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         step_prompts, data_metrics = self._step_prompts()
-        batch, sums = self.rollouts(step, step_prompts)
+        batch, rewards_B, sums = self.rollouts(step, step_prompts)
         t_gen = time.perf_counter()
-        old_log_probs = None
-        if self.step_cfg.correction.needs_old_log_prob_pass:
-            old_log_probs = compute_old_log_probs(self.model, batch, groups=self.groups,
-                                                  micro_batch_size=self.step_cfg.micro_batch_size,
-                                                  temperature=self.step_cfg.temperature)
-        results = self._update(batch, old_log_probs)
+        old_log_probs, ref_log_probs, correction, step_metrics = self._before_updates(batch)
+        if self.kl_controller is not None and ref_log_probs is not None:  # the last pipeline stage
+            batch, kl_metrics = self._kl_in_reward(batch, rewards_B, old_log_probs, ref_log_probs)
+            step_metrics.update(kl_metrics)
+        step_metrics = broadcast_from_last_stage(step_metrics, self.groups, self.device)
+        results = self._update(batch, old_log_probs, ref_log_probs, correction)
+        self.scheduler.step(increment=1)  # once per RL step: every update of the step had its lr
         t_train = time.perf_counter()
         self._push_weights()
         t_end = time.perf_counter()
-        metrics = {**_rollout_metrics(sums), **_train_metrics(results), **data_metrics}
+        metrics = {**_rollout_metrics(sums), **_train_metrics(results), **step_metrics, **data_metrics}
         metrics.update({"timing/gen_s": t_gen - t0, "timing/train_s": t_train - t_gen,
                         "timing/weight_sync_s": t_end - t_train, "timing/step_s": t_end - t0,
                         "throughput/tokens_per_s": sums["all_tokens"] / (t_end - t0)})
         return metrics
+
+    def _before_updates(self, batch: StepBatch):
+        """pi_old and the reference's log-probs (forward-only passes), and the decoupled rollout
+        correction over the whole step batch; on the last pipeline stage (None elsewhere)."""
+        cfg = self.step_cfg
+        old = ref = correction = None
+        metrics: dict[str, torch.Tensor] = {}
+        if cfg.correction.needs_old_log_prob_pass:
+            old = compute_old_log_probs(self.model, batch, groups=self.groups, micro_batch_size=cfg.micro_batch_size,
+                                        temperature=cfg.temperature)
+        if self.reference is not None:
+            ref = self.reference.log_probs(batch, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature)
+        if old is not None:
+            correction, metrics = step_correction(old, batch, cfg.correction, self.groups)
+        return old, ref, correction, dict(metrics)
+
+    def _kl_in_reward(self, batch: StepBatch, rewards_B: torch.Tensor, old_log_probs: torch.Tensor | None,
+                      ref_log_probs: torch.Tensor) -> tuple[StepBatch, dict[str, torch.Tensor]]:
+        """The batch with advantages from KL-penalised rewards (the last pipeline stage's view; the
+        loss is computed there only)."""
+        algo = self.recipe.algorithm
+        device = ref_log_probs.device
+        log_probs = old_log_probs if old_log_probs is not None else batch.rollout_log_probs_BT.to(device)
+        mask_BT = batch.response_mask_BT.to(device)
+        penalised_B, metrics = kl_penalised_rewards(rewards_B.to(device), log_probs, ref_log_probs, mask_BT,
+                                                    self.kl_controller, self.groups.dp)
+        advantages_B = group_advantages(penalised_B.float().reshape(-1, self.recipe.rollout.n),
+                                        algo.advantage_estimator, algo.norm_adv_by_std).reshape(-1)
+        advantages_BT = advantages_B[:, None] * mask_BT
+        return dataclasses.replace(batch, advantages_BT=advantages_BT.to(batch.advantages_BT.device)), metrics
 
     def _step_prompts(self) -> tuple[list[Prompt] | None, dict[str, torch.Tensor]]:
         """This DP rank's round-0 prompts from the dataset (None for built-in tasks) and the data
@@ -162,17 +204,28 @@ class Trainer:
         return taken.prompts[share], metrics
 
     def rollouts(self, step: int, step_prompts: list[Prompt] | None = None
-                 ) -> tuple[StepBatch, dict[str, torch.Tensor]]:
-        """This DP replica's StepBatch (identical on its TP/CP/PP ranks) and DP-summed rollout stats."""
-        batch = sums_vec = None
+                 ) -> tuple[StepBatch, torch.Tensor, dict[str, torch.Tensor]]:
+        """This DP replica's StepBatch and per-sequence rewards (identical on its TP/CP/PP ranks),
+        and the DP-summed rollout stats."""
+        batch = rewards = sums_vec = None
         if self.engine is not None:
-            batch, sums_vec = self._generate(step, step_prompts)
-        batch, sums_vec = share_in_model_parallel(batch, sums_vec, self.groups, num_extras=len(_ROLLOUT_SUMS),
-                                                  device=self.device)
+            batch, rewards, sums_vec = self._generate(step, step_prompts)
+        batch, rewards, sums_vec = share_in_model_parallel(batch, rewards, sums_vec, self.groups, num_columns=1,
+                                                           num_extras=len(_ROLLOUT_SUMS), device=self.device)
         dist.all_reduce(sums_vec, group=self.groups.dp)
-        return batch, dict(zip(_ROLLOUT_SUMS, sums_vec.unbind()))
+        sums = dict(zip(_ROLLOUT_SUMS, sums_vec.unbind()))
+        sampling = self.recipe.algorithm.dynamic_sampling
+        if sampling.on_exhausted == "error" and bool(sums["exhausted"] > 0):  # the same decision on every rank
+            raise RuntimeError(f"step {step}: dynamic sampling reached max_num_gen_batches="
+                               f"{sampling.max_num_gen_batches} before finding data.prompts_per_step informative "
+                               "groups on at least one data-parallel rank (algorithm.dynamic_sampling.on_exhausted: "
+                               "error, verl's behaviour). The data may be too hard or too easy for the policy: raise "
+                               "max_num_gen_batches (0 = no limit), or set on_exhausted: fill to complete the batch "
+                               "with inert groups")
+        return batch, rewards[:, 0], sums
 
-    def _generate(self, step: int, step_prompts: list[Prompt] | None) -> tuple[StepBatch, torch.Tensor]:
+    def _generate(self, step: int, step_prompts: list[Prompt] | None
+                  ) -> tuple[StepBatch, torch.Tensor, torch.Tensor]:
         recipe, dp_rank = self.recipe, self.groups.dp_rank
         seed = recipe.trainer.seed
         dropped = {"long": 0, "bad": 0}  # prompts the top-up rounds skipped
@@ -191,30 +244,31 @@ class Trainer:
                 self.engine, self.task, prompts, rollout=recipe.rollout, overlong=recipe.algorithm.overlong_penalty,
                 sample_generator=seeded_generator(seed, "samples", step, dp_rank, round_, device=self.device))
 
-        sampling = recipe.algorithm.dynamic_sampling
-        rollouts, first, stats = dynamic_sample(draw, self.groups_per_rank, enabled=sampling.enabled,
-                                                max_rounds=sampling.max_rounds)
         algo = recipe.algorithm
+        rollouts, first, stats = dynamic_sample(draw, self.groups_per_rank, algo.dynamic_sampling)
         advantages_B = group_advantages(rollouts.rewards_GN, algo.advantage_estimator, algo.norm_adv_by_std).reshape(-1)
         batch, invalid = build_step_batch(rollouts, advantages_B, pad_multiple=self.pad_multiple)
-        lengths = rollouts.response_lengths()
-        sums = [first.scores_GN.sum(), first.scores_GN.numel(), rollouts.rewards_GN.sum(), rollouts.scores_GN.sum(),
-                rollouts.scores_GN.numel(), lengths.sum(), sum(r == "eos" for r in rollouts.finish_reasons), invalid,
-                sum(len(p) for p in rollouts.prompt_ids()) + lengths.sum(), stats.rounds,
-                stats.informative_fraction, stats.filler_fraction, 1, dropped["long"], dropped["bad"]]
-        return batch, torch.tensor([float(x) for x in sums], dtype=torch.float64)
+        rewards_B1 = rollouts.rewards_GN.reshape(-1, 1).double()
+        return batch, rewards_B1, rollout_sums(rollouts, first, stats, invalid, dropped)
 
-    def _update(self, batch: StepBatch, old_log_probs: torch.Tensor | None) -> list[StepResult]:
-        trainer = self.recipe.trainer
+    def _update(self, batch: StepBatch, old_log_probs: torch.Tensor | None, ref_log_probs: torch.Tensor | None,
+                correction: StepCorrection | None) -> list[StepResult]:
+        trainer, n = self.recipe.trainer, self.recipe.rollout.n
         per_rank = batch.tokens_BT.shape[0]
-        mini = trainer.mini_batch_size // self.dp_size if trainer.mini_batch_size else per_rank
+        mini = trainer.mini_batch_prompts * n // self.dp_size if trainer.mini_batch_prompts else per_rank
+
+        def rows(x, start):
+            return None if x is None else (x.rows(start, start + mini) if isinstance(x, StepCorrection)
+                                           else x[start:start + mini])
+
         results = []
         for _ in range(trainer.ppo_epochs):
             for start in range(0, per_rank, mini):
-                old = None if old_log_probs is None else old_log_probs[start:start + mini]
-                results.append(train_minibatch(self.model, self.optimizer, self.scheduler,
-                                               slice_batch(batch, start, start + mini), groups=self.groups,
-                                               cfg=self.step_cfg, old_log_probs=old))
+                results.append(train_minibatch(self.model, self.optimizer, slice_batch(batch, start, start + mini),
+                                               groups=self.groups, cfg=self.step_cfg,
+                                               old_log_probs=rows(old_log_probs, start),
+                                               ref_log_probs=rows(ref_log_probs, start),
+                                               correction=rows(correction, start)))
         return results
 
     def _push_weights(self) -> None:
@@ -231,6 +285,7 @@ class Trainer:
         state = {"step": step, "model": [chunk.state_dict() for chunk in self.model],
                  "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "data_position": self.data_position,
+                 "kl_controller": None if self.kl_controller is None else self.kl_controller.state_dict(),
                  "rng": checkpoint.rng_state(), "tp_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
                  "recipe": self.recipe.raw}
         if self.rank0:
@@ -274,22 +329,41 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tp_rng"])
         self.data_position = state.get("data_position", 0)  # checkpoints before datasets start over
+        if self.kl_controller is not None and state.get("kl_controller") is not None:
+            self.kl_controller.load_state_dict(state["kl_controller"])
         if self.rank0:
             print(f"resumed from {checkpoint.checkpoint_dir(self.run_dir, latest)} (step {latest})", flush=True)
         return latest
 
 
+def rollout_sums(rollouts: RolloutGroups, first: RolloutGroups, stats, invalid: torch.Tensor,
+                 dropped: dict[str, int]) -> torch.Tensor:
+    """This rank's float64 vector of _ROLLOUT_SUMS: round 0's samples as generated; the trained
+    batch's without its fillers, which take part in no mean."""
+    real = ~rollouts.filler_G
+    lengths_GN = rollouts.response_lengths().reshape(-1, rollouts.n)
+    eos_GN = torch.tensor([r == "eos" for r in rollouts.finish_reasons]).reshape(-1, rollouts.n)
+    sums = [first.scores_GN.sum(), first.acc_GN.sum(), first.scores_GN.numel(), rollouts.rewards_GN[real].sum(),
+            rollouts.scores_GN[real].sum(), rollouts.acc_GN[real].sum(), rollouts.scores_GN[real].numel(),
+            lengths_GN[real].sum(), eos_GN[real].sum(), invalid,
+            sum(len(p) for p in rollouts.prompt_ids()) + lengths_GN.sum(), stats.gen_batches,
+            stats.informative_fraction, stats.filler_fraction, 1, stats.exhausted, dropped["long"], dropped["bad"]]
+    return torch.tensor([float(x) for x in sums], dtype=torch.float64)
+
+
 def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    samples, replicas = sums["batch_samples"], sums["replicas"]
+    samples, replicas = sums["batch_samples"].clamp(min=1), sums["replicas"]
     valid_tokens = sums["response_tokens"] - sums["invalid_tokens"]
     return {
         "reward_mean": sums["round0_score"] / sums["round0_samples"],
+        "reward/acc_mean": sums["round0_acc"] / sums["round0_samples"],
         "reward/batch_score_mean": sums["batch_score"] / samples,
         "reward/batch_reward_mean": sums["batch_reward"] / samples,
+        "reward/batch_acc_mean": sums["batch_acc"] / samples,
         "response_length_mean": sums["response_tokens"] / samples,
         "response/clip_fraction": 1 - sums["eos_samples"] / samples,
         "rollout_corr/invalid_rollout_token_fraction": sums["invalid_tokens"] / sums["response_tokens"].clamp(min=1),
-        "dynamic_sampling/rounds": sums["rounds"] / replicas,
+        "dynamic_sampling/num_gen_batches": sums["gen_batches"] / replicas,
         "dynamic_sampling/informative_fraction": sums["informative_fraction"] / replicas,
         "dynamic_sampling/filler_fraction": sums["filler_fraction"] / replicas,
         "batch/valid_response_tokens": valid_tokens,
@@ -299,9 +373,10 @@ def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _train_metrics(results: list[StepResult]) -> dict[str, torch.Tensor]:
-    """Averages over the mini-batch updates of the step (lr: the last one)."""
+    """The step's view of its mini-batch updates: means, but the extremes of the correction's
+    per-mini-batch maxima and minima (bypass mode), and the lr of the last update."""
     keys = results[0].metrics.keys()
-    metrics = {k: torch.stack([r.metrics[k].float() for r in results]).mean() for k in keys}
+    metrics = {k: combine_over_updates(k, [r.metrics[k].float() for r in results]) for k in keys}
     if "actor/lr" in keys:
         metrics["actor/lr"] = results[-1].metrics["actor/lr"]
     metrics["loss"] = metrics.get("actor/pg_loss", torch.tensor(float("nan")))
@@ -309,6 +384,17 @@ def _train_metrics(results: list[StepResult]) -> dict[str, torch.Tensor]:
     metrics["lr"] = metrics.get("actor/lr", torch.tensor(float("nan")))
     metrics["actor/skipped_updates"] = torch.tensor(float(sum(not r.update_successful for r in results)))
     return metrics
+
+
+def combine_over_updates(name: str, values: list[torch.Tensor]) -> torch.Tensor:
+    """A step's value of a metric reported by each update: the largest of the correction's
+    maxima, the smallest of its minima, the mean otherwise."""
+    stacked = torch.stack(values)
+    if name.startswith("rollout_corr/") and name.endswith(("_max", "_max_deviation")):
+        return stacked.max()
+    if name.startswith("rollout_corr/") and name.endswith("_min"):
+        return stacked.min()
+    return stacked.mean()
 
 
 def train(recipe: RunSettings, groups: ParallelGroups) -> Path:

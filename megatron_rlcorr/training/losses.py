@@ -1,4 +1,5 @@
-"""Policy losses for RL with rollout correction: PPO-clip and policy gradient.
+"""Policy losses for RL with rollout correction: PPO-clip and policy gradient, plus the entropy
+bonus and the KL penalty to a reference policy (kl.py).
 
 Every per-token loss is aggregated as a SUM divided by a normaliser of the whole mini-batch
 (all micro-batches, all DP and CP ranks), computed once per mini-batch by
@@ -6,6 +7,13 @@ Every per-token loss is aggregated as a SUM divided by a normaliser of the whole
 exactly the mini-batch loss, so the gradient does not depend on the micro-batch size or the
 parallel layout. (Megatron's schedule divides each micro-batch loss by the number of
 micro-batches and DDP averages gradients over DP x CP; the caller undoes both factors.)
+
+Aggregation modes (verl's names), with l the per-token loss and the sums over the mini-batch:
+token-mean sum_it l / tokens; seq-mean-token-sum sum_it l / sequences; seq-mean-token-mean
+sum_i (sum_t l / tokens_i) / sequences; seq-mean-token-sum-norm (Dr. GRPO) sum_it l /
+(sequences x F), F = `loss_scale_factor` (the response length limit by default). "sequences"
+counts those with at least one valid token. verl's per-micro-batch `sum / F` for the last mode
+scales with the micro-batch size; here it does not.
 
 Rejection is the mask: a rejected token leaves the numerator and the denominator. Values at
 masked positions may be garbage (NaN, inf) and never reach the loss, its gradient or a metric.
@@ -24,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ..settings import check_choice
+from .kl import KLLossSettings, kl_penalty
 
 LossType = Literal["ppo_clip", "policy_gradient"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
@@ -37,16 +46,29 @@ MetricPartial = tuple[torch.Tensor, torch.Tensor]  # (sum, count), 0-d device te
 
 @dataclass(frozen=True)
 class LossConfig:
+    """The recipe's `algorithm.loss` (verl's actor settings of the same names and defaults)."""
+
     loss_type: LossType = "ppo_clip"
-    clip_ratio_low: float = 0.2     # ratio clipped below at 1 - clip_ratio_low
-    clip_ratio_high: float = 0.28   # and above at 1 + clip_ratio_high (DAPO clip-higher)
-    clip_ratio_c: float | None = 3.0  # dual clip: for A < 0 the loss is capped at -A * c
+    clip_ratio: float = 0.2                # the symmetric clip; the default of the two below
+    clip_ratio_low: float | None = None    # ratio clipped below at 1 - clip_ratio_low
+    clip_ratio_high: float | None = None   # and above at 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
+    clip_ratio_c: float | None = 3.0       # dual clip: for A < 0 the loss is capped at -A * c
     loss_agg_mode: LossAggMode = "token-mean"
-    entropy_coeff: float = 0.0      # loss -= entropy_coeff * agg(entropy)
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's F; None: the response limit
+    entropy_coeff: float = 0.0             # loss -= entropy_coeff * agg(entropy)
 
     def __post_init__(self) -> None:
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
         check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if not 0.0 <= self.clip_ratio < 1.0:
+            raise ValueError(f"clip_ratio must be in [0, 1), got {self.clip_ratio}")
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.clip_ratio)
+        if self.loss_scale_factor is not None and not (math.isfinite(self.loss_scale_factor)
+                                                       and self.loss_scale_factor > 0):
+            raise ValueError(f"loss_scale_factor must be a finite number > 0 (or null for the response length "
+                             f"limit), got {self.loss_scale_factor}")
         if not 0.0 <= self.clip_ratio_low < 1.0:
             raise ValueError(f"clip_ratio_low must be in [0, 1) so that 1 - clip_ratio_low > 0, "
                              f"got {self.clip_ratio_low}")
@@ -65,12 +87,16 @@ class LossNormalizer:
     num_tokens: torch.Tensor                      # valid tokens of the mini-batch, DP x CP
     num_seqs: torch.Tensor | None = None          # sequences with >= 1 valid token, DP
     seq_token_counts: torch.Tensor | None = None  # [S] valid tokens of each WHOLE sequence (CP-summed)
+    token_scale: float = 1.0                      # seq-mean-token-sum-norm's F
 
 
 @dataclass
 class PolicyLossOutput:
     loss: torch.Tensor                     # 0-d float32: this micro-batch's share of the mini-batch loss
     metrics: dict[str, MetricPartial]      # token-averaged metrics as (sum, count) partials
+    # This micro-batch's detached shares of the loss's terms ("pg_loss", "entropy_loss",
+    # "kl_loss"): summed over micro-batches and ranks they give each term of the mini-batch loss.
+    terms: dict[str, torch.Tensor]
 
 
 def policy_loss(
@@ -83,18 +109,23 @@ def policy_loss(
     normalizer: LossNormalizer,
     is_weights: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    ref_log_prob: torch.Tensor | None = None,
+    kl: KLLossSettings | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
-    """One micro-batch's policy loss contribution and metric partials.
+    """One micro-batch's policy loss contribution, metric partials and the shares of its terms.
 
     log_prob: float32 log pi_theta(token) (differentiable). old_log_prob: log pi_old (PPO-clip;
     optional for policy gradient, where it only feeds `ppo_kl`). advantages: per token.
     loss_mask: 1 for tokens that count (response tokens kept by rejection sampling).
-    entropy: per-token entropy, needed when cfg.entropy_coeff != 0 (also reported).
+    entropy: per-token entropy, needed when cfg.entropy_coeff != 0 (reported whenever given).
+    ref_log_prob, kl: the reference policy's log-probs and the KL-loss settings (kl.enabled).
     All per-token tensors share log_prob's shape: [B, T], or [N] with cu_seqlens.
     """
     _check_inputs(log_prob, old_log_prob, advantages, loss_mask, cfg, normalizer, is_weights,
                   entropy, cu_seqlens)
+    if kl is not None and kl.enabled and (ref_log_prob is None or ref_log_prob.shape != log_prob.shape):
+        raise ValueError("the KL loss needs ref_log_prob, shaped like log_prob")
     mask = loss_mask != 0
     adv = _masked(advantages, mask)
     metrics: dict[str, MetricPartial] = {}
@@ -104,7 +135,9 @@ def policy_loss(
     if old_log_prob is not None:
         # where() before any arithmetic: garbage at masked positions gets neither value nor gradient.
         log_ratio = _masked(log_prob, mask) - _masked(old_log_prob, mask)
-        metrics["ppo_kl"] = (-log_ratio.detach().sum(), num_valid)
+        # verl's ppo_kl: of the log-ratio clamped as the PPO ratio uses it
+        clamped = log_ratio.detach().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        metrics["ppo_kl"] = (-clamped.sum(), num_valid)
 
     if cfg.loss_type == "ppo_clip":
         loss_tok, clip_active, dual_clip_active = _ppo_clip(log_ratio, adv, cfg)
@@ -116,13 +149,20 @@ def policy_loss(
         loss_tok = loss_tok * _masked(is_weights.detach(), mask)
 
     loss = aggregate_loss(loss_tok, cfg.loss_agg_mode, normalizer, cu_seqlens=cu_seqlens)
+    terms = {"pg_loss": loss.detach()}
     if entropy is not None:
         entropy_tok = _masked(entropy, mask)
         metrics["entropy"] = (entropy_tok.detach().sum(), num_valid)
         if cfg.entropy_coeff != 0.0:
-            loss = loss - cfg.entropy_coeff * aggregate_loss(entropy_tok, cfg.loss_agg_mode, normalizer,
-                                                             cu_seqlens=cu_seqlens)
-    return PolicyLossOutput(loss, metrics)
+            entropy_loss = -cfg.entropy_coeff * aggregate_loss(entropy_tok, cfg.loss_agg_mode, normalizer,
+                                                               cu_seqlens=cu_seqlens)
+            loss, terms["entropy_loss"] = loss + entropy_loss, entropy_loss.detach()
+    if kl is not None and kl.enabled:
+        # Both sides masked first: k2's gradient d * upstream would carry a masked NaN even with 0 upstream.
+        kl_tok = torch.where(mask, kl_penalty(_masked(log_prob, mask), _masked(ref_log_prob, mask), kl.type), 0.0)
+        kl_value = aggregate_loss(kl_tok, cfg.loss_agg_mode, normalizer, cu_seqlens=cu_seqlens)
+        loss, terms["kl_loss"] = loss + kl.coef * kl_value, kl_value.detach()
+    return PolicyLossOutput(loss, metrics, terms)
 
 
 def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor,
@@ -152,6 +192,8 @@ def aggregate_loss(loss_tok: torch.Tensor, agg_mode: LossAggMode, normalizer: Lo
     if agg_mode == "seq-mean-token-sum":
         # sum_i sum_t l_it is the plain sum: no per-sequence pass needed.
         return loss_tok.sum() / _denominator(normalizer.num_seqs, loss_tok)
+    if agg_mode == "seq-mean-token-sum-norm":
+        return loss_tok.sum() / (_denominator(normalizer.num_seqs, loss_tok) * normalizer.token_scale)
     per_seq = sequence_sums(loss_tok, cu_seqlens)
     per_seq = per_seq / _denominator(normalizer.seq_token_counts, loss_tok)
     return per_seq.sum() / _denominator(normalizer.num_seqs, loss_tok)
@@ -164,12 +206,14 @@ def global_loss_normalizers(
     cu_seqlens: Sequence[torch.Tensor] | None = None,
     cp_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
+    loss_scale_factor: float = 1.0,
 ) -> list[LossNormalizer]:
     """The normaliser of each micro-batch of a mini-batch (this rank's micro-batches).
 
     Call once per mini-batch, with the final loss masks (after rejection). Communication: one
     all-reduce over cp_group (per-sequence counts, O(sequences)), then one of two numbers over
-    dp_group; for token-mean only a single number travels.
+    dp_group; for token-mean only a single number travels. `loss_scale_factor` is
+    seq-mean-token-sum-norm's F.
     """
     check_choice("agg_mode", agg_mode, LOSS_AGG_MODES)
     if cu_seqlens is not None and len(cu_seqlens) != len(loss_masks_per_microbatch):
@@ -189,7 +233,8 @@ def global_loss_normalizers(
     totals = torch.stack([all_counts.sum(), (all_counts > 0).sum(dtype=torch.float64)])
     _all_reduce_sum(totals, dp_group)
     per_microbatch = all_counts.split([c.numel() for c in seq_counts])
-    return [LossNormalizer(totals[0], totals[1], counts) for counts in per_microbatch]
+    scale = float(loss_scale_factor) if agg_mode == "seq-mean-token-sum-norm" else 1.0
+    return [LossNormalizer(totals[0], totals[1], counts, scale) for counts in per_microbatch]
 
 
 def sequence_sums(x_tok: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:

@@ -5,19 +5,23 @@ Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
 1. Pad T to a multiple of 2*cp and cut this CP rank's zigzag shard of every per-token tensor
    (tokens, targets, masks, rollout / old log-probs, advantages); positions are the shard's global
    positions. Micro-batches are row slices of the shard.
-2. Last pipeline stage only: the rollout correction runs ONCE on the whole (CP-sharded)
-   mini-batch, reducing per-sequence statistics over the CP group and batch statistics over the
-   DP group; its mask (rejection sampling, veto) becomes the loss mask. Then the loss normalisers
-   of all micro-batches (global over micro-batches, CP and DP ranks).
+2. Last pipeline stage only: in decoupled mode the rollout correction's weights and mask come
+   precomputed, once for the whole RL step (`step_correction`, as verl computes them once over
+   the step batch), and are cut like the other tensors; the mask (rejection sampling, veto)
+   becomes the loss mask. (Called without them, the correction runs on this mini-batch.) Then
+   the loss normalisers of all micro-batches (global over micro-batches, CP and DP ranks).
    Bypass mode (PPO and policy gradient) instead corrects inside each micro-batch's loss, from
    the current policy's (detached) log-probs against the rollout's.
 3. Megatron-Core's pipeline schedule runs forward/backward over the micro-batches (p2p over the
    PP group); each loss is this micro-batch's share of the global loss, times the factor that
    undoes the schedule's and DDP's averaging (optimizer.loss_scale_for_schedule), so the gradient
    equals the single-process full-batch gradient for any layout and micro-batch size.
-4. DDP all-reduces gradients (finalize_model_grads), Megatron's optimizer clips and steps, the
-   scheduler advances. Metrics, kept as (sum, count) tensors, are reduced once over CP x DP and
-   broadcast from the last pipeline stage to the others.
+4. DDP all-reduces gradients (finalize_model_grads), Megatron's optimizer clips and steps.
+   The learning-rate scheduler is the caller's: it advances once per RL step, so every update of
+   a step uses that step's learning rate (verl's schedule). Metrics, kept as (sum, count)
+   tensors, are reduced once over CP x DP and broadcast from the last pipeline stage to the
+   others. `actor/pg_loss` is the policy-gradient term alone; the entropy bonus and the KL loss
+   (`actor/kl_loss`, with a reference policy's log-probs) are reported beside it.
 
 Modes (RolloutCorrectionConfig): decoupled (bypass_mode False): pi_old comes from
 `compute_old_log_probs` before the update, IS/RS from pi_old vs pi_rollout, PPO ratio against
@@ -50,6 +54,7 @@ import torch.distributed as dist
 from ..config import RolloutCorrectionConfig
 from ..correction import compute_rollout_correction
 from .logprobs import token_logprobs_and_entropy
+from .kl import KLLossSettings
 from .losses import LossConfig, global_loss_normalizers, policy_loss, reduce_metric_partials
 from .optimizer import current_lr, loss_scale_for_schedule, zero_grads
 from ..parallel.context import merge_from_cp, pad_to_multiple, split_for_cp, zigzag_token_positions
@@ -74,12 +79,19 @@ class StepConfig:
     correction: RolloutCorrectionConfig
     micro_batch_size: int
     temperature: float = 1.0      # rollout temperature, applied to logits before log-probs
+    kl_loss: KLLossSettings = KLLossSettings()
+    # seq-mean-token-sum-norm's F when loss.loss_scale_factor is unset (the response length limit)
+    response_limit: int = 1
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def loss_scale_factor(self) -> float:
+        return self.loss.loss_scale_factor or float(self.response_limit)
 
     @property
     def use_policy_gradient(self) -> bool:
@@ -246,50 +258,101 @@ def compute_old_log_probs(model_chunks: list[Any], batch: StepBatch, *, groups: 
     return _merge_cp(torch.cat(log_probs), groups, batch.tokens_BT.shape[1])
 
 
+# ---- the decoupled correction, once per RL step ---------------------------------------------
+
+@dataclass
+class StepCorrection:
+    """The rollout correction's result for a DP rank's whole step batch, full width [B, T]."""
+    is_weights_BT: torch.Tensor | None
+    mask_BT: torch.Tensor
+
+    def rows(self, start: int, end: int) -> "StepCorrection":
+        weights = None if self.is_weights_BT is None else self.is_weights_BT[start:end]
+        return StepCorrection(weights, self.mask_BT[start:end])
+
+
+def step_correction(old_log_probs_BT: torch.Tensor, batch: StepBatch, correction: RolloutCorrectionConfig,
+                    groups: ParallelGroups) -> tuple[StepCorrection, dict[str, torch.Tensor]]:
+    """Decoupled mode: IS weights, rejection and metrics over the whole RL step (this DP rank's
+    batch, batch statistics over DP), on the last pipeline stage. Every CP rank computes it on the
+    whole sequences (compute_old_log_probs merged them), so no CP collective is needed. No host
+    sync (check_inputs=False)."""
+    device = old_log_probs_BT.device
+    out = compute_rollout_correction(old_log_probs_BT.float(), batch.rollout_log_probs_BT.to(device).float(),
+                                     batch.response_mask_BT.to(device).float(), correction,
+                                     dp_group=_group_or_none(groups.dp, groups.dp_size), check_inputs=False)
+    return StepCorrection(out.is_weights, out.response_mask), out.metrics
+
+
 # ---- the training step ---------------------------------------------------------------------
 
 @dataclass
 class _LossInputs:
     """What the last stage's loss needs for the whole mini-batch (CP-sharded, [B, T_local])."""
     old: torch.Tensor
+    ref: torch.Tensor | None
     loss_mask: torch.Tensor
     is_weights: torch.Tensor | None
     normalizers: list
     correction_metrics: dict[str, torch.Tensor]
 
 
-def _prepare_loss_inputs(shard: _Shard, old_log_probs: torch.Tensor | None, cfg: StepConfig,
-                         groups: ParallelGroups, num_microbatches: int, correct_in_loss: bool) -> _LossInputs:
+def _local(full_BT: torch.Tensor, shard: _Shard, groups: ParallelGroups, name: str) -> torch.Tensor:
+    """This CP rank's part of a full-width [B, T] tensor of the mini-batch."""
+    local = _cp_split(full_BT.to(shard.rollout.device, torch.float32), groups)
+    if local.shape != shard.rollout.shape:
+        raise ValueError(f"{name} has shape {tuple(full_BT.shape)} but the mini-batch is "
+                         f"{tuple(shard.rollout.shape[:1])} x T")
+    return local
+
+
+def _prepare_loss_inputs(shard: _Shard, cfg: StepConfig, groups: ParallelGroups, num_microbatches: int, *,
+                         old_log_probs: torch.Tensor | None, ref_log_probs: torch.Tensor | None,
+                         correction: StepCorrection | None) -> _LossInputs:
     cp_group = _group_or_none(groups.cp, groups.cp_size)
     dp_group = _group_or_none(groups.dp, groups.dp_size)
+    if cfg.kl_loss.enabled and ref_log_probs is None:
+        raise ValueError("the KL loss (kl_loss.enabled) needs the reference policy's log-probs (ref_log_probs)")
+    ref = None if ref_log_probs is None else _local(ref_log_probs, shard, groups, "ref_log_probs")
     if cfg.correction.bypass_mode:
-        old = shard.rollout
-    else:
-        if old_log_probs is None:
-            raise ValueError("decoupled mode (correction.bypass_mode=False) needs old_log_probs from "
-                             "compute_old_log_probs on the last pipeline stage; or set bypass_mode: true")
-        old = _cp_split(old_log_probs.to(shard.rollout.device, torch.float32), groups)
-        if old.shape != shard.rollout.shape:
-            raise ValueError(f"old_log_probs has shape {tuple(old_log_probs.shape)} but the batch is "
-                             f"{tuple(shard.rollout.shape[:1])} x T; pass compute_old_log_probs' result")
-    if correct_in_loss:
-        loss_mask, is_weights, metrics = shard.mask, None, {}
+        return _LossInputs(shard.rollout, ref, shard.mask, None,
+                           _normalizers(shard.mask, shard, cfg, num_microbatches, cp_group, dp_group), {})
+    if old_log_probs is None:
+        raise ValueError("decoupled mode (correction.bypass_mode=False) needs old_log_probs from "
+                         "compute_old_log_probs on the last pipeline stage; or set bypass_mode: true")
+    old = _local(old_log_probs, shard, groups, "old_log_probs")
+    if correction is not None:
+        loss_mask = _local(correction.mask_BT, shard, groups, "the correction's mask")
+        is_weights = (None if correction.is_weights_BT is None
+                      else _local(correction.is_weights_BT, shard, groups, "the correction's weights"))
+        metrics = {}
     else:
         corr = compute_rollout_correction(old, shard.rollout, shard.mask, cfg.correction, cp_group=cp_group,
                                           dp_group=dp_group, check_inputs=False)
         loss_mask, is_weights, metrics = corr.response_mask, corr.is_weights, corr.metrics
+    normalizers = _normalizers(loss_mask, shard, cfg, num_microbatches, cp_group, dp_group)
+    return _LossInputs(old, ref, loss_mask, is_weights, normalizers, metrics)
+
+
+def _normalizers(loss_mask: torch.Tensor, shard: _Shard, cfg: StepConfig, num_microbatches: int, cp_group,
+                 dp_group) -> list:
     mbs = cfg.micro_batch_size
     masks = [loss_mask[shard.rows(mb, mbs)] for mb in range(num_microbatches)]
-    normalizers = global_loss_normalizers(masks, cfg.loss.loss_agg_mode, cp_group=cp_group, dp_group=dp_group)
-    return _LossInputs(old, loss_mask, is_weights, normalizers, metrics)
+    return global_loss_normalizers(masks, cfg.loss.loss_agg_mode, cp_group=cp_group, dp_group=dp_group,
+                                   loss_scale_factor=cfg.loss_scale_factor)
 
 
-def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBatch, *, groups: ParallelGroups,
-                    cfg: StepConfig, old_log_probs: torch.Tensor | None) -> StepResult:
+def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, groups: ParallelGroups,
+                    cfg: StepConfig, old_log_probs: torch.Tensor | None = None,
+                    ref_log_probs: torch.Tensor | None = None, correction: StepCorrection | None = None
+                    ) -> StepResult:
     """Forward/backward over the micro-batches of `batch`, then one optimizer step.
 
-    Collective over all ranks. `old_log_probs`: compute_old_log_probs' result in decoupled mode
-    (read on the last pipeline stage only); ignored in bypass mode.
+    Collective over all ranks. Read on the last pipeline stage only: `old_log_probs`
+    (compute_old_log_probs' result; decoupled mode), `ref_log_probs` (the reference policy's, for
+    the KL loss), `correction` (the step's decoupled correction sliced to this mini-batch; when
+    None in decoupled mode, the correction runs on this mini-batch). The learning-rate scheduler
+    is not stepped here (module docstring).
     """
     shard = _shard(batch, groups, _model_device(model_chunks))
     mbs = cfg.micro_batch_size
@@ -301,19 +364,19 @@ def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBa
     # Bypass PPO's loss needs only the RS/veto mask (no IS weights: the PPO ratio is the weight).
     mask_only = _mask_only(cfg.correction) if bypass_ppo else None
     loss_cfg = dataclasses.replace(cfg.loss, loss_type="policy_gradient") if cfg.use_policy_gradient else cfg.loss
-    inputs = (_prepare_loss_inputs(shard, old_log_probs, cfg, groups, num_microbatches, correct_in_loss)
-              if is_last else None)
+    inputs = (_prepare_loss_inputs(shard, cfg, groups, num_microbatches, old_log_probs=old_log_probs,
+                                   ref_log_probs=ref_log_probs, correction=correction) if is_last else None)
     cp_group = _group_or_none(groups.cp, groups.cp_size)
     dp_group = _group_or_none(groups.dp, groups.dp_size)
     scale = loss_scale_for_schedule(num_microbatches, groups)
-    compute_entropy = cfg.loss.entropy_coeff != 0.0
-    losses, partials, corr_metrics = [], [], []
+    terms, partials, corr_metrics = [], [], []
     theta_log_probs: list[torch.Tensor | None] = [None] * num_microbatches  # bypass PPO: detached pi_theta
 
     def loss_fn(mb, logits):
         rows = shard.rows(mb, mbs)
+        # Entropy always: it is reported whether or not it enters the loss.
         log_prob, entropy = token_logprobs_and_entropy(logits, shard.targets[rows], tp_group=groups.tp,
-                                                       temperature=cfg.temperature, compute_entropy=compute_entropy)
+                                                       temperature=cfg.temperature, compute_entropy=True)
         loss_mask, is_weights = inputs.loss_mask[rows], None if inputs.is_weights is None else inputs.is_weights[rows]
         if bypass_ppo:
             # RS + veto from pi_theta vs pi_rollout; per-sequence decisions need only the CP group.
@@ -325,9 +388,11 @@ def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBa
                                               cp_group=cp_group, dp_group=dp_group, check_inputs=False)
             loss_mask, is_weights = corr.response_mask, corr.is_weights
             corr_metrics.append(corr.metrics)
+        ref = None if inputs.ref is None else inputs.ref[rows]
         out = policy_loss(log_prob, inputs.old[rows], shard.advantages[rows], loss_mask, loss_cfg,
-                          normalizer=inputs.normalizers[mb], is_weights=is_weights, entropy=entropy)
-        losses.append(out.loss.detach())
+                          normalizer=inputs.normalizers[mb], is_weights=is_weights, entropy=entropy,
+                          ref_log_prob=ref, kl=cfg.kl_loss)
+        terms.append(out.terms)
         partials.append(out.metrics)
         return out.loss * scale, {}
 
@@ -338,8 +403,6 @@ def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBa
     update_successful, grad_norm, _ = optimizer.step()
     if grad_norm is None:  # clip_grad == 0: Megatron skips the norm
         grad_norm = optimizer.get_grad_norm()
-    if update_successful:
-        scheduler.step(increment=1)
 
     metrics = {}
     if is_last and bypass_ppo:
@@ -349,9 +412,11 @@ def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBa
                                                    cfg.correction, cp_group=cp_group, dp_group=dp_group,
                                                    check_inputs=False).metrics]
     if is_last:
-        metrics = _last_stage_metrics(losses, partials, corr_metrics or [inputs.correction_metrics], groups,
+        metrics = _last_stage_metrics(terms, partials, corr_metrics or [inputs.correction_metrics], groups,
                                       cp_group, dp_group)
-    metrics = _broadcast_from_last_stage(metrics, groups, shard.tokens.device)
+        if cfg.kl_loss.enabled:
+            metrics["actor/kl_coef"] = torch.tensor(cfg.kl_loss.coef)
+    metrics = broadcast_from_last_stage(metrics, groups, shard.tokens.device)
     grad_norm_t = torch.as_tensor(float(grad_norm), dtype=torch.float32)
     metrics["actor/grad_norm"] = grad_norm_t
     metrics["actor/lr"] = torch.as_tensor(lr, dtype=torch.float32)
@@ -360,13 +425,14 @@ def train_minibatch(model_chunks: list[Any], optimizer, scheduler, batch: StepBa
 
 # ---- metrics -------------------------------------------------------------------------------
 
-def _last_stage_metrics(losses, partials, corr_metrics, groups: ParallelGroups, cp_group, dp_group
+def _last_stage_metrics(terms, partials, corr_metrics, groups: ParallelGroups, cp_group, dp_group
                         ) -> dict[str, torch.Tensor]:
-    # Each micro-batch loss is this rank's share of the global loss: their sum over ranks is it.
-    pg_loss = torch.stack(losses).sum().double()
+    # Each micro-batch's term is this rank's share of the mini-batch's: their sum over ranks is it.
+    names = sorted({name for micro in terms for name in micro})
+    totals = torch.stack([torch.stack([micro[n] for micro in terms if n in micro]).sum().double() for n in names])
     if groups.dp_cp_size > 1:
-        dist.all_reduce(pg_loss, group=groups.dp_cp)
-    metrics = {"actor/pg_loss": pg_loss.float()}
+        dist.all_reduce(totals, group=groups.dp_cp)
+    metrics = {f"actor/{name}": totals[i].float() for i, name in enumerate(names)}
     metrics.update({f"actor/{name}": value
                     for name, value in reduce_metric_partials(partials, cp_group=cp_group, dp_group=dp_group).items()})
     names = sorted({name for m in corr_metrics for name in m})
@@ -375,8 +441,8 @@ def _last_stage_metrics(losses, partials, corr_metrics, groups: ParallelGroups, 
     return metrics
 
 
-def _broadcast_from_last_stage(metrics: dict[str, torch.Tensor], groups: ParallelGroups,
-                               device: torch.device) -> dict[str, torch.Tensor]:
+def broadcast_from_last_stage(metrics: dict[str, torch.Tensor], groups: ParallelGroups,
+                              device: torch.device) -> dict[str, torch.Tensor]:
     """The last stage's metrics on every pipeline stage (names as objects, values in one tensor)."""
     if groups.pp_size == 1:
         return metrics

@@ -164,8 +164,8 @@ def _rss_kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+) kB", open("/proc/self/status").read()).group(1))
 
 
-def _export_memory_worker(rank, world, out_dir):
-    """Peak resident memory added by exporting an ~80 MB model (peak reset just before)."""
+def _export_memory_worker(rank, world, out_dir, num_layers):
+    """Peak resident memory added by exporting a model of `num_layers` layers (peak reset just before)."""
     hide_gpus()
     import ctypes
     import gc
@@ -178,8 +178,8 @@ def _export_memory_worker(rank, world, out_dir):
 
     enable_cpu_megatron()
     groups = build_parallel_groups(1, 1, 1)
-    cfg = ModelConfig(vocab_size=8192, hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=2,
-                      ffn_hidden_size=1536, make_vocab_size_divisible_by=1)
+    cfg = ModelConfig(vocab_size=8192, hidden_size=512, num_layers=num_layers, num_attention_heads=8,
+                      num_query_groups=2, ffn_hidden_size=1536, make_vocab_size_divisible_by=1)
     chunks = build_model_chunks(cfg, groups, seed=0)
     gc.collect()
     # Give the heap memory freed while building back to the system, or the export would reuse
@@ -195,9 +195,11 @@ def _export_memory_worker(rank, world, out_dir):
 
 
 def test_export_holds_about_one_tensor_at_a_time(tmp_path):
-    result = run_distributed(_export_memory_worker, 1, tmp_path / "big")[0]
-    assert result["model_bytes"] > 75e6 and (tmp_path / "big" / "model.safetensors").stat().st_size > 75e6
-    # Measured on the 2-core machine: +28 MiB streaming (largest tensor 16 MiB, plus allocator
-    # growth from the smaller ones), +82 MiB when the whole model is collected first.
-    assert result["extra_bytes"] < 2.5 * result["largest_bytes"], result
-    assert result["extra_bytes"] < 0.5 * result["model_bytes"], result
+    """A 178 MB model whose largest tensor is 17 MB. Measured on the 2-core machine (4 layers,
+    82 MB): +28 MiB streaming, up to +46 MiB when the machine was loaded (glibc's arenas vary with
+    the threads), +82 MiB when the whole model was collected first. What is asserted is what no
+    export that gathers the whole model can meet."""
+    result = run_distributed(_export_memory_worker, 1, tmp_path / "big", 12)[0]
+    assert result["model_bytes"] > 175e6 and (tmp_path / "big" / "model.safetensors").stat().st_size > 175e6
+    assert result["largest_bytes"] < 0.1 * result["model_bytes"]
+    assert result["extra_bytes"] < 0.4 * result["model_bytes"], result

@@ -38,9 +38,8 @@ SCENARIOS = {
                         rollout_rs="geometric", rollout_rs_threshold=1.1, rollout_token_veto_threshold=1e-4),
         loss=dict(loss_type="ppo_clip", loss_agg_mode="token-mean", entropy_coeff=0.01)),
     "dec_pg_stm": dict(
-        correction=dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token", rollout_rs_threshold=1.6,
-                        use_policy_gradient=True),
-        loss=dict(loss_agg_mode="seq-mean-token-mean")),
+        correction=dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token", rollout_rs_threshold=1.6),
+        loss=dict(loss_type="policy_gradient", loss_agg_mode="seq-mean-token-mean")),
     "byp_ppo_sts": dict(
         correction=dict(rollout_is="token", rollout_is_threshold=2.0, bypass_mode=True,
                         rollout_token_veto_threshold=1e-4),
@@ -157,8 +156,9 @@ def _torch_step(cfg, weights, data, step_cfg):
     adam.step()
     after = {k: v.detach() for k, v in leaves.items()}
     grads["lm_head.weight"], after["lm_head.weight"] = grads["embed.weight"], after["embed.weight"]
-    return dict(loss=out.loss.detach(), metrics=corr.metrics, grads=grads, grad_norm=grad_norm, after=after,
-                old=log_prob.detach(), mask=corr.response_mask)
+    # actor/pg_loss is the policy-gradient term alone; the entropy bonus is its own term
+    return dict(loss=out.terms["pg_loss"], entropy_loss=out.terms.get("entropy_loss"), metrics=corr.metrics,
+                grads=grads, grad_norm=grad_norm, after=after, old=log_prob.detach(), mask=corr.response_mask)
 
 
 # ---- the Megatron worker ----------------------------------------------------------------------
@@ -203,7 +203,7 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches):
         if not cfg.correction.bypass_mode:
             old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=mbs,
                                         temperature=cfg.temperature)
-        result = train_minibatch(chunks, optimizer, scheduler, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
         results.append(dict(scenario=scenario, dp_rank=groups.dp_rank, old=old, metrics=result.metrics,
                             update_successful=result.update_successful, grads=_export_grads(chunks, groups),
                             after=export_full_weights(chunks, groups)))
@@ -229,6 +229,10 @@ def _assert_matches(result, ref, where):
         torch.testing.assert_close(result["metrics"][name], value, rtol=1e-4, atol=1e-6, msg=lambda m, w=f"{where} {name}": f"{w}: {m}")
     torch.testing.assert_close(result["metrics"]["actor/pg_loss"], ref["loss"], rtol=1e-5, atol=1e-7,
                                msg=lambda m, w=f"{where} loss": f"{w}: {m}")
+    if ref["entropy_loss"] is not None:
+        torch.testing.assert_close(result["metrics"]["actor/entropy_loss"], ref["entropy_loss"], rtol=1e-5,
+                                   atol=1e-7, msg=lambda m, w=f"{where} entropy loss": f"{w}: {m}")
+    assert "actor/entropy" in result["metrics"]  # reported whatever entropy_coeff is
     assert result["update_successful"]
     for name in ref["grads"]:
         torch.testing.assert_close(result["grads"][name], ref["grads"][name], rtol=1e-4, atol=2e-7,
@@ -329,3 +333,76 @@ def _assert_all_rejected(results, weights):
         assert all(float(g.abs().max()) == 0.0 for g in result["grads"].values())
         for name, value in weights.items():
             torch.testing.assert_close(result["after"][name], value, rtol=0, atol=0)
+
+
+# ---- the decoupled correction once per RL step -------------------------------------------------
+
+HALF = BATCH // 4  # rows per DP rank per mini-batch: dp2, two mini-batches of the step
+
+
+def _step_correction_worker(rank, world, batch_full, scenario):
+    """dp2: pi_old over each rank's half of the step batch, the correction once over the whole
+    step, then the first mini-batch (the first HALF rows of each rank) trained with its slice."""
+    hide_gpus()
+    from megatron_rlcorr.model.config import ModelConfig
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups
+    from megatron_rlcorr.rl.batch import slice_batch
+    from megatron_rlcorr.training.optimizer import OptimSettings, build_model_and_optimizer
+    from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs, step_correction, train_minibatch
+
+    enable_cpu_megatron()
+    groups = build_parallel_groups(1, 1, 1)
+    chunks, optimizer, _ = build_model_and_optimizer(ModelConfig(**CFG), OptimSettings(**OPTIM), groups,
+                                                     seed=SEED, total_steps=4)
+    rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    batch = StepBatch(**{k: v[rows] for k, v in batch_full.items()})
+    cfg = _step_config(scenario, HALF)
+    old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=HALF, temperature=cfg.temperature)
+    correction, metrics = step_correction(old, batch, cfg.correction, groups)
+    result = train_minibatch(chunks, optimizer, slice_batch(batch, 0, HALF), groups=groups, cfg=cfg,
+                             old_log_probs=old[:HALF], correction=correction.rows(0, HALF))
+    return dict(weights=correction.is_weights_BT, mask=correction.mask_BT, metrics=metrics,
+                grads=_export_grads(chunks, groups), pg_loss=result.metrics["actor/pg_loss"])
+
+
+def test_decoupled_correction_is_once_per_step_and_sliced_into_mini_batches(references):
+    """Batch normalisation sees the whole step (every mini-batch, both DP ranks), as verl computes
+    it; the first mini-batch trains with its slice of those weights and that mask (computed per
+    mini-batch, the normalisation factor was the mini-batch's own)."""
+    from megatron_rlcorr.correction import compute_rollout_correction
+    from megatron_rlcorr.model.config import ModelConfig
+    from megatron_rlcorr.training.losses import global_loss_normalizers, policy_loss
+    from megatron_rlcorr.model.reference import reference_forward
+
+    scenario = "dec_ppo_tok"  # sequence IS with batch normalisation, geometric RS, veto
+    data, weights = references["batches"][scenario], references["weights"]
+    results = run_distributed(_step_correction_worker, 2, data, scenario)
+    step_cfg = _step_config(scenario, HALF)
+    old = references["refs"][scenario]["old"]
+    whole = compute_rollout_correction(old, data["rollout_log_probs_BT"], data["response_mask_BT"],
+                                       step_cfg.correction)
+    weights_dp = torch.cat([r["weights"] for r in results])
+    torch.testing.assert_close(weights_dp, whole.is_weights, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.cat([r["mask"] for r in results]), whole.response_mask)
+    for name, value in whole.metrics.items():
+        torch.testing.assert_close(results[0]["metrics"][name], value, rtol=1e-4, atol=1e-6)
+    # the first mini-batch: rows [0, HALF) of each rank, with the step's weights and mask
+    mb_rows = torch.tensor([*range(HALF), *range(BATCH // 2, BATCH // 2 + HALF)])
+    cfg = ModelConfig(**CFG)
+    leaves = {k: v.clone().requires_grad_() for k, v in weights.items() if k != "lm_head.weight"}
+    logits = reference_forward(leaves, cfg, data["tokens_BT"][mb_rows]) / step_cfg.temperature
+    log_prob = logits.log_softmax(-1).gather(-1, data["targets_BT"][mb_rows].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    mask = whole.response_mask[mb_rows]
+    normalizer = global_loss_normalizers([mask], step_cfg.loss.loss_agg_mode)[0]
+    out = policy_loss(log_prob, old[mb_rows], data["advantages_BT"][mb_rows], mask, step_cfg.loss,
+                      normalizer=normalizer, is_weights=whole.is_weights[mb_rows], entropy=entropy)
+    out.loss.backward()
+    for result in results:
+        torch.testing.assert_close(result["pg_loss"], out.terms["pg_loss"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(result["grads"]["embed.weight"], leaves["embed.weight"].grad, rtol=1e-4, atol=2e-7)
+    # the mini-batch's own batch normalisation would have given other weights
+    own = compute_rollout_correction(old[mb_rows], data["rollout_log_probs_BT"][mb_rows], data["response_mask_BT"][mb_rows],
+                                     step_cfg.correction)
+    assert not torch.allclose(own.is_weights, whole.is_weights[mb_rows], rtol=1e-3)

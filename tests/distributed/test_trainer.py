@@ -39,7 +39,8 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
                 "throughput/tokens_per_s", "rollout_corr/invalid_rollout_token_fraction", "rollout_corr/k3_kl",
                 "rollout_corr/log_ppl_diff", "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_batch_norm_factor",
                 "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_is_veto_fraction",
-                "actor/pg_loss", "dynamic_sampling/rounds"}
+                "actor/pg_loss", "actor/entropy", "dynamic_sampling/num_gen_batches",
+                "reward/acc_mean"}
     for record in records:
         assert required <= record.keys(), required - record.keys()
         bad = {k: v for k, v in record.items() if not math.isfinite(v)}
@@ -150,3 +151,49 @@ def test_trainer_refuses_a_checkpoint_of_another_layout(tmp_path):
     errors = run_distributed(_resume_on_other_layout, 2, tmp_path)
     for error in errors:  # every rank refuses, none loads a mismatched shard or hangs
         assert error is not None and "tp=1" in error and "tp=2" in error and "trainer.resume=false" in error
+
+
+def test_lr_schedule_counts_rl_steps_not_updates(tmp_path):
+    """Two mini-batch updates per RL step, 2 warm-up steps: every update of RL step s uses lr(s).
+    (Counting updates, the schedule ran twice as fast: logged [0.5, 1, 1] x lr.)"""
+    overrides = [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.steps=4", "optim.warmup_steps=2",
+                 "optim.decay_style=linear", "optim.min_lr=0.0", "trainer.mini_batch_prompts=2",
+                 "trainer.micro_batch_size=8"]  # 4 prompts x 4 samples: 2 mini-batches of 2 prompts
+    (records,) = run_distributed(train_runs, 1, [(TINY, overrides)])[0]
+    lr = 3e-3
+    # Megatron's schedule: step s (from 0) has warm-up lr * s / 2, then linear decay to 0 at step 4
+    assert [r["lr"] for r in records] == pytest.approx([0.0, lr / 2, lr, lr / 2])
+    assert all(r["actor/skipped_updates"] == 0 for r in records)
+
+
+def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path):
+    """The reference is the starting policy: step 1's KL loss and KL-in-reward penalty are exactly
+    0; after one update both are positive, and the adaptive coefficient moved as verl's rule says."""
+    overrides = [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.steps=2", "algorithm.kl_loss.enabled=true",
+                 "algorithm.kl_loss.type=low_var_kl", "algorithm.kl_in_reward.enabled=true",
+                 "algorithm.kl_in_reward.controller=adaptive", "algorithm.kl_in_reward.coef=0.05",
+                 "algorithm.kl_in_reward.horizon=100", "algorithm.kl_in_reward.type=k1"]
+    (records,) = run_distributed(train_runs, 1, [(TINY, overrides)])[0]
+    first, second = records
+    assert first["actor/kl_loss"] == 0.0 and first["actor/reward_kl_penalty"] == 0.0
+    assert second["actor/kl_loss"] > 0 and second["actor/reward_kl_penalty"] != 0
+    assert first["actor/kl_coef"] == pytest.approx(1e-3)
+    # after step 1: KL 0 < target 0.1, error clipped to -0.2, 4 prompts x 4 samples = 16 sequences
+    assert second["actor/reward_kl_penalty_coeff"] == pytest.approx(0.05 * (1 - 0.2 * 16 / 100), rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", [["parallel.pp=2", "trainer.micro_batch_size=4"], ["parallel.cp=2"]])
+def test_kl_and_the_step_correction_under_pp_and_cp(tmp_path, layout):
+    """The reference's and pi_old's log-probs exist on the last pipeline stage only, and every
+    CP rank computes the step's correction on whole sequences: the step's metrics reach rank 0
+    (the first stage), finite, with step 1's KL exactly 0."""
+    overrides = [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.steps=2", "algorithm.kl_loss.enabled=true",
+                 "algorithm.kl_in_reward.enabled=true", *layout]
+    (records, _) = run_distributed(train_runs, 2, [(TINY, overrides)])
+    records = records[0]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert all(math.isfinite(v) for v in record.values())
+        assert {"rollout_corr/rollout_is_batch_norm_factor", "actor/reward_kl_penalty", "actor/kl_loss"} <= record.keys()
+    assert records[0]["actor/kl_loss"] == 0.0 and records[0]["actor/reward_kl_penalty"] == 0.0
+    assert records[1]["actor/kl_loss"] > 0

@@ -27,6 +27,25 @@ def test_equal_rewards_give_zero_advantage_and_are_uninformative():
     assert torch.equal(group_advantages(rewards, "grpo")[0], torch.zeros(3))
 
 
+@pytest.mark.parametrize("value, n", [(2 / 3, 8), (1 / 3, 8), (0.1, 8), (0.7, 5)])
+@pytest.mark.parametrize("estimator, norm", [("grpo", True), ("grpo", False), ("rloo", True)])
+def test_equal_non_representable_rewards_give_exactly_zero(value, n, estimator, norm):
+    # float32 mean of 8 x 2/3 is off by an ulp: divided by std + 1e-6 that was +0.056 per sample
+    rewards = torch.full((2, n), value)
+    rewards[1, 0] = 0.0
+    adv = group_advantages(rewards, estimator, norm)
+    assert torch.equal(adv[0], torch.zeros(n))
+    assert adv[1].abs().min() > 0
+
+
+def test_grpo_epsilon_is_1e_6():
+    # two samples 1e-6 apart: std = 7.07e-7, so the epsilon decides the scale
+    rewards = torch.tensor([[0.0, 1e-6]])
+    std = rewards.std()
+    torch.testing.assert_close(group_advantages(rewards, "grpo")[0, 1], (1e-6 - 5e-7) / (std + 1e-6))
+    assert abs(group_advantages(rewards, "grpo")[0, 1].item() - 0.2929) < 1e-3  # eps = 0 would give 0.7071
+
+
 def test_single_sample_groups_are_rejected():
     with pytest.raises(ValueError, match="at least 2 samples"):
         group_advantages(torch.zeros(3, 1), "grpo")

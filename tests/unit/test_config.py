@@ -102,12 +102,24 @@ def _normalise(fields: dict) -> dict:
     ("loss_type", "ppo_clip", "use_policy_gradient", False),
 ])
 def test_legacy_names_warn_and_map(legacy, value, field, expected):
+    # the policy-gradient loss requires bypass mode (SPEC section 3)
+    bypass = {} if field == "bypass_mode" else {"bypass_mode": True}
     with pytest.warns(DeprecationWarning, match=legacy):
-        cfg = RolloutCorrectionConfig(**{legacy: value})
+        cfg = RolloutCorrectionConfig(**{legacy: value}, **bypass)
     assert getattr(cfg, field) is expected
     with pytest.warns(DeprecationWarning, match=legacy):
-        cfg = RolloutCorrectionConfig.from_dict({legacy: value, "rollout_is": "token"})
+        cfg = RolloutCorrectionConfig.from_dict({legacy: value, "rollout_is": "token", **bypass})
     assert getattr(cfg, field) is expected and cfg.rollout_is == "token"
+
+
+@pytest.mark.parametrize("options", [dict(use_policy_gradient=True), dict(loss_type="reinforce"),
+                                     dict(use_pure_rollout_correction=True, bypass_old_logprob_for_rollout=False)])
+def test_policy_gradient_without_bypass_names_both_fixes(options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy names warn first
+        with pytest.raises(ValueError) as err:
+            RolloutCorrectionConfig(**options)
+    assert "requires bypass_mode=True" in str(err.value) and "use_policy_gradient: false" in str(err.value)
 
 
 def test_legacy_loss_type_rejects_unknown_value():

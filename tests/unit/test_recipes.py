@@ -54,7 +54,15 @@ BAD = [
     (["algorithm.rollout_correction.rollout_rs_threshold_lower=1.5"], "algorithm.rollout_correction"),
     (["model.vocab_size=10"], "model.vocab_size=10 is smaller than the vocabulary"),
     (["rollout.n=1"], "rollout.n=1"),
-    (["algorithm.dynamic_sampling.max_roundz=1"], 'did you mean "max_rounds"'),
+    (["algorithm.dynamic_sampling.max_num_gen_batchs=1"], 'did you mean "max_num_gen_batches"'),
+    (["algorithm.dynamic_sampling.max_rounds=1"], "max_rounds: k is max_num_gen_batches: k + 1"),
+    (["trainer.mini_batch_size=32"], "counted in prompts, as verl's ppo_mini_batch_size: set trainer.mini_batch_prompts"),
+    (["algorithm.overlong_penalty.enabled=true", "algorithm.overlong_penalty.buffer=4"],
+     "overlong_penalty.buffer=4 is not shorter than the response limit rollout.max_new_tokens=4"),
+    (["trainer.mini_batch_prompts=3"], "trainer.mini_batch_prompts=3 must divide data.prompts_per_step=16"),
+    (["algorithm.rollout_correction.use_policy_gradient=true"], "requires bypass_mode=True"),
+    (["algorithm.kl_loss.type=k4"], "algorithm.kl_loss.type must be one of"),
+    (["algorithm.loss.loss_agg_mode=seq-mean-token-sum-nrom"], 'did you mean "seq-mean-token-sum-norm"'),
 ]
 
 

@@ -9,7 +9,8 @@ from megatron_rlcorr.data import EOS_ID, get_task
 from megatron_rlcorr.data.tasks import Prompt
 from megatron_rlcorr.rl.advantages import OverlongPenalty
 from megatron_rlcorr.rollout import RolloutBatch, RolloutConfig
-from megatron_rlcorr.rl.sampling import RolloutGroups, derive_seed, dynamic_sample, generate_groups
+from megatron_rlcorr.rl.sampling import (DynamicSampling, RolloutGroups, derive_seed, dynamic_sample,
+                                         generate_groups)
 
 N = 2  # samples per prompt
 
@@ -24,6 +25,7 @@ def _groups(rewards_GN, tag=0):
         finish_reasons=["eos"] * (g * N),
         scores_GN=rewards.clone(),
         rewards_GN=rewards,
+        acc_GN=(rewards >= 1).float(),
     )
 
 
@@ -42,37 +44,53 @@ class _Draws:
 def test_dynamic_sampling_tops_up_with_informative_groups_and_keeps_the_size():
     # Round 0: 1 of 4 informative; round 1 (sized by the keep rate 1/4): all informative.
     draws = _Draws([[[1, 1], [0, 1], [0, 0], [1, 1]], [[0, 1]]])
-    batch, first, stats = dynamic_sample(draws, 4, enabled=True, max_rounds=3)
+    batch, first, stats = dynamic_sample(draws, 4, DynamicSampling(True, "reward", max_num_gen_batches=4))
     assert draws.calls == [(0, 4), (1, 4)]  # ceil(3 / 0.25) = 12, capped at a full batch of 4
     assert len(batch) == 4 and batch.rewards_GN.shape == (4, N)
     assert [p.answer for p in batch.prompts] == ["0.1", "1.0", "1.1", "1.2"]
     assert torch.all(batch.rewards_GN.amax(1) > batch.rewards_GN.amin(1))
     assert len(first) == 4 and first.prompts[0].answer == "0.0"
-    assert stats.rounds == 2 and stats.filler_fraction == 0.0 and stats.informative_fraction == 0.25
+    assert stats.gen_batches == 2 and stats.filler_fraction == 0.0 and stats.informative_fraction == 0.25
     assert stats.generated_groups == 8
 
 
-def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out():
+def test_dynamic_sampling_fills_with_dropped_groups_when_batches_run_out():
     draws = _Draws([[[1, 1], [0, 1], [0, 0]], [[1, 1]]])
-    batch, _, stats = dynamic_sample(draws, 3, enabled=True, max_rounds=2)
-    assert [c[0] for c in draws.calls] == [0, 1, 2]
+    batch, _, stats = dynamic_sample(draws, 3, DynamicSampling(True, "reward", max_num_gen_batches=3))
+    assert [c[0] for c in draws.calls] == [0, 1, 2]  # verl's count: three generation batches in all
     assert len(batch) == 3
     assert [p.answer for p in batch.prompts] == ["0.1", "0.0", "0.2"]  # informative first, then fillers
+    assert batch.filler_G.tolist() == [False, True, True]
     assert math.isclose(stats.filler_fraction, 2 / 3)
-    assert stats.rounds == 3
+    assert stats.gen_batches == 3 and stats.exhausted
+
+
+def test_no_limit_generates_until_the_batch_is_full():
+    # one informative group per batch of 2: with max_num_gen_batches 0 (verl: no limit) it takes 4 batches
+    draws = _Draws([[[0, 1], [1, 1]], [[0, 0], [0, 1]]])
+    batch, _, stats = dynamic_sample(draws, 2, DynamicSampling(True, "reward", max_num_gen_batches=0))
+    assert stats.gen_batches == 2 and not stats.exhausted and not batch.filler_G.any()
+
+
+@pytest.mark.parametrize("metric, kept", [("acc", ["0.1"]), ("score", ["0.0", "0.1"]), ("reward", ["0.0", "0.1"])])
+def test_the_metric_decides_which_groups_are_informative(metric, kept):
+    # group 0: scores 0.5 and 0.2 (both wrong: acc constant 0); group 1: 1.0 and 0.0 (acc varies)
+    groups = _groups([[0.5, 0.2], [1.0, 0.0], [0.3, 0.3]])
+    batch, _, stats = dynamic_sample(lambda r, k: groups, 3, DynamicSampling(True, metric, max_num_gen_batches=1))
+    assert [p.answer for p, filler in zip(batch.prompts, batch.filler_G) if not filler] == kept
 
 
 def test_dynamic_sampling_disabled_returns_round_zero_unfiltered():
     draws = _Draws([[[1, 1], [0, 0]]])
-    batch, first, stats = dynamic_sample(draws, 2, enabled=False, max_rounds=5)
+    batch, first, stats = dynamic_sample(draws, 2, DynamicSampling(False))
     assert batch is first and draws.calls == [(0, 2)]
-    assert stats.rounds == 1 and stats.informative_fraction == 0.0
+    assert stats.gen_batches == 1 and stats.informative_fraction == 0.0 and not batch.filler_G.any()
 
 
 def test_dynamic_sampling_drops_surplus_informative_groups():
     draws = _Draws([[[0, 1]]])
-    batch, _, stats = dynamic_sample(draws, 3, enabled=True, max_rounds=0)
-    assert len(batch) == 3 and stats.rounds == 1 and stats.filler_fraction == 0.0
+    batch, _, stats = dynamic_sample(draws, 3, DynamicSampling(True, "reward", max_num_gen_batches=1))
+    assert len(batch) == 3 and stats.gen_batches == 1 and stats.filler_fraction == 0.0
 
 
 class _FixedEngine:
@@ -134,5 +152,30 @@ def test_derived_seeds_are_stable_and_distinct():
 
 @pytest.mark.parametrize("rewards", [[[0.0, 0.0]], [[1.0, 1.0]]])
 def test_all_uninformative_batch_still_has_full_size(rewards):
-    batch, _, stats = dynamic_sample(lambda r, k: _groups(rewards * k), 2, enabled=True, max_rounds=1)
-    assert len(batch) == 2 and stats.filler_fraction == 1.0 and stats.rounds == 2
+    batch, _, stats = dynamic_sample(lambda r, k: _groups(rewards * k), 2,
+                                     DynamicSampling(True, "reward", max_num_gen_batches=2))
+    assert len(batch) == 2 and stats.filler_fraction == 1.0 and stats.gen_batches == 2
+
+
+def test_fillers_are_inert_in_the_batch():
+    # a real group and a filler group whose rewards (2/3, not representable) are all equal
+    groups = RolloutGroups.concat([_groups([[1.0, 0.0]]), _groups([[2 / 3, 2 / 3]], tag=1).as_fillers()])
+    groups.logprobs = [torch.tensor([-0.5, -0.1]), torch.tensor([-0.4, -0.2]),
+                       torch.tensor([float("nan"), -0.3]), torch.tensor([0.5, -0.1])]  # fillers' invalid tokens
+    advantages = torch.tensor([1.0, -1.0, 0.3, 0.3])  # even a (wrongly) non-zero filler advantage
+    batch, invalid = build_step_batch(groups, advantages)
+    assert batch.response_mask_BT[2:].sum() == 0 and batch.response_mask_BT[:2].sum() == 4
+    assert batch.advantages_BT[2:].abs().sum() == 0
+    assert int(invalid) == 0  # the fillers' bad tokens are not counted either
+
+
+def test_rewards_may_return_score_and_acc():
+    class Task:
+        def reward(self, prompt, response):
+            return {"score": 0.5, "acc": 1.0} if response[0] == 3 else 1.0
+
+    from megatron_rlcorr.rl.sampling import score_response
+
+    assert score_response(Task(), None, [3]) == (0.5, 1.0)
+    assert score_response(Task(), None, [4]) == (1.0, 1.0)  # a plain float: acc is full marks
+    assert score_response(get_task("digit_sum", digits=1), Prompt(ids=[1], answer="07"), [5]) == (0.0, 0.0)
