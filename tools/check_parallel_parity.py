@@ -2,7 +2,7 @@
 """Train a tiny fp32 model for N steps under several parallel layouts and compare each with one process.
 
     python tools/check_parallel_parity.py --layouts tp2,cp2,pp2,dp2,tp2cp2,tp2pp2,cp2pp2,tp2cp2pp2 --steps 3
-        [--mode decoupled|bypass] [--loss ppo|pg] [--agg token-mean|seq-mean-token-sum|seq-mean-token-mean]
+        [--mode decoupled|bypass] [--loss ppo|pg] [--agg token-mean|seq-mean-token-sum|seq-mean-token-mean|seq-mean-token-sum-norm]
 
 A layout name is a sequence of <dim><size> tokens in any order, dim in tp, pp, cp, dp, vpp
 (e.g. "tp2cp2", "pp2tp2dp2", "pp2vpp2"); a missing dim is 1 (vpp: none). Each layout runs as
@@ -30,6 +30,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from megatron_rlcorr.training.losses import LOSS_AGG_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_TOKEN = re.compile(r"(tp|pp|cp|dp|vpp)(\d+)")
@@ -211,7 +213,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--mode", choices=["decoupled", "bypass"], default="decoupled")
     parser.add_argument("--loss", choices=["ppo", "pg"], default="ppo")
-    parser.add_argument("--agg", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"],
+    parser.add_argument("--agg", choices=list(LOSS_AGG_MODES),
                         default="token-mean")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per layout")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
