@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         source, recipe = prepare(args, launch_rank()[1])
     except ValueError as err:
         return report_bad_input(f"export --model {args.model}", err)
-    with process_groups(recipe.parallel) as groups:
+    with process_groups(recipe.parallel, timeout_minutes=recipe.trainer.timeout_minutes) as groups:
         written = export_model(source, recipe, groups, args.out, DTYPES[args.dtype])
     if written is not None:
         print(f"wrote {written} ({args.dtype}); load it with transformers' "

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 EXIT_BAD_INPUT = 2
 REPORT_GRACE_S = 10.0  # how long ranks other than 0 wait, on bad input, for rank 0 to report it
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def launch_rank() -> tuple[int, int]:
@@ -49,17 +48,21 @@ def report_bad_input(what: str, err: Exception) -> int:
 
 
 @contextmanager
-def process_groups(parallel: ParallelSettings) -> Iterator[ParallelGroups]:
-    """The parallel groups of `parallel` on this torchrun world, torn down on exit."""
+def process_groups(parallel: ParallelSettings, *, timeout_minutes: int) -> Iterator[ParallelGroups]:
+    """The parallel groups of `parallel` on this torchrun world, torn down on exit. Every group
+    (the default one and Megatron-Core's) gets the collective timeout `timeout_minutes`
+    (trainer.timeout_minutes: generating 20k-token responses can outlast torch's 10 minutes)."""
     from .parallel.cpu import enable_cpu_megatron
     from .parallel.groups import build_parallel_groups, destroy_parallel_groups
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
     try:
         enable_cpu_megatron()
-        groups = build_parallel_groups(parallel.tp, parallel.pp, parallel.cp, parallel.vpp)
+        groups = build_parallel_groups(parallel.tp, parallel.pp, parallel.cp, parallel.vpp,
+                                       sequence_parallel=parallel.sequence_parallel, timeout_minutes=timeout_minutes)
         try:
             yield groups
         finally:

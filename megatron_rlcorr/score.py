@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         source, recipe, records = prepare(args, launch_rank()[1])
     except ValueError as err:
         return report_bad_input(f"score --model {args.model}", err)
-    with process_groups(recipe.parallel) as groups:
+    with process_groups(recipe.parallel, timeout_minutes=recipe.trainer.timeout_minutes) as groups:
         log_probs = score_records(source, recipe, records, groups)
     if log_probs is not None:
         write_outputs(args.out, records, log_probs, correction_config(recipe), recipe)
@@ -117,7 +117,8 @@ def _score_call(chunks, rows: list[RolloutRecord], indices: list[int], per_call:
     batch = StepBatch(tokens_BT, targets_BT, response_BT.float(), zeros_BT, zeros_BT)
     log_probs_BT = compute_old_log_probs(chunks, batch, groups=groups,
                                          micro_batch_size=recipe.trainer.micro_batch_size,
-                                         temperature=recipe.rollout.temperature or 1.0)
+                                         temperature=recipe.rollout.temperature or 1.0,
+                                         max_tokens_per_micro_batch=recipe.trainer.max_tokens_per_micro_batch)
     if log_probs_BT is None:
         return {}
     log_probs_BT = log_probs_BT.cpu()

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(recipe: Recipe) -> int:
     from .rl.trainer import train
 
-    with process_groups(recipe.parallel) as groups:
+    with process_groups(recipe.parallel, timeout_minutes=recipe.trainer.timeout_minutes) as groups:
         train(recipe, groups)
     return 0
 

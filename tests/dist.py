@@ -1,8 +1,9 @@
-"""Run a function on N gloo processes on this machine and collect what each rank returns.
+"""Run a function on N processes on this machine and collect what each rank returns.
 
 Used by every distributed test: `run_distributed(fn, world_size, *args)` returns the list of
-per-rank results (rank order). Collectives get a short timeout so a hang fails the test instead
-of stalling CI; an exception on any rank is re-raised here with its traceback.
+per-rank results (rank order): gloo processes on the CPU, or with backend="nccl" one GPU each.
+Collectives get a short timeout so a hang fails the test instead of stalling CI; an exception on
+any rank is re-raised here with its traceback.
 """
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, out_dir):
+def _worker(rank, world_size, port, fn, args, out_dir, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
@@ -41,10 +44,13 @@ def _worker(rank, world_size, port, fn, args, out_dir):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args):
-    """Spawn `world_size` processes running fn(rank, world_size, *args); return their results."""
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo"):
+    """Spawn `world_size` processes running fn(rank, world_size, *args); return their results.
+
+    backend "gloo": CPU processes (the CPU-path tests hide the GPUs themselves); "nccl": one GPU
+    per process, which needs `world_size` GPUs (see `nccl_or_skip`)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, out_dir),
+        mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, out_dir, backend),
                            nprocs=world_size, join=True, start_method="spawn")
         results = []
         for rank in range(world_size):
@@ -61,3 +67,13 @@ def hide_gpus() -> None:
     initialises CUDA)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     assert not torch.cuda.is_available(), "CUDA was initialised before the GPUs could be hidden"
+
+
+def nccl_or_skip(world_size: int) -> str:
+    """"nccl" when this machine has `world_size` GPUs; otherwise the test is skipped (its CPU
+    counterpart runs the same layout on gloo)."""
+    import pytest
+
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs for NCCL, found {torch.cuda.device_count()}")
+    return "nccl"

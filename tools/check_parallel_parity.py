@@ -3,6 +3,7 @@
 
     python tools/check_parallel_parity.py --layouts tp2,cp2,pp2,dp2,tp2cp2,tp2pp2,cp2pp2,tp2cp2pp2 --steps 3
         [--mode decoupled|bypass] [--loss ppo|pg] [--agg token-mean|seq-mean-token-sum|seq-mean-token-mean|seq-mean-token-sum-norm]
+        [--packed]
 
 A layout name is a sequence of <dim><size> tokens in any order, dim in tp, pp, cp, dp, vpp
 (e.g. "tp2cp2", "pp2tp2dp2", "pp2vpp2"); a missing dim is 1 (vpp: none). Each layout runs as
@@ -10,7 +11,11 @@ A layout name is a sequence of <dim><size> tokens in any order, dim in tp, pp, c
 this script with --worker, train `--steps` optimizer steps of step.train_minibatch on fixed
 synthetic data whose rollout log-probs are the initial model's plus noise (a real, growing
 mismatch), and write per-step loss, grad norm and correction metrics and the final full weights.
-One row per layout; the exit status is 1 if any row exceeds its tolerance. After the table, the
+The tiny model is fitted to every layout asked for (tiny_model: query groups and heads divisible
+by each TP size, layers by each pp * vpp), so any parsed layout runs, tp4 and tp8 included. With
+`--packed` the layouts train on packed micro-batches (THD, `max_tokens_per_micro_batch` about 2.5
+sequences per rank, so several micro-batches of uneven sequences) against the same padded
+single-process reference. One row per layout; the exit status is 1 if any row exceeds its tolerance. After the table, the
 reference's veto and RS rejection fractions per step show what the correction rejected.
 
 `--mode bypass --loss ppo` corrects pi_theta vs pi_rollout in the loss (RS and veto on the loss
@@ -22,6 +27,8 @@ the veto rejects that sequence (ratio ~0.01); the other modes keep their data an
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import re
 import subprocess
@@ -35,8 +42,6 @@ from megatron_rlcorr.training.losses import LOSS_AGG_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_TOKEN = re.compile(r"(tp|pp|cp|dp|vpp)(\d+)")
-MODEL = dict(vocab_size=100, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,
-             ffn_hidden_size=48, tie_embeddings=True, add_qkv_bias=True, max_position_embeddings=64)
 SEED, BATCH, SEQ, TEMPERATURE = 11, 8, 13, 0.9
 OPTIM = dict(lr=1e-2, clip_grad=1.0, adam_eps=1e-6, warmup_steps=1, decay_style="linear", min_lr=1e-3)
 TOL = dict(loss=1e-5, grad_norm=1e-4, param=2e-4, metric=1e-4)  # metric: |diff| / max(|ref|, 1)
@@ -63,6 +68,28 @@ def parse_layout(name: str) -> dict[str, int | None]:
 
 def world_size(layout: dict[str, int | None]) -> int:
     return layout["tp"] * layout["pp"] * layout["cp"] * layout["dp"]
+
+
+def tiny_model(layouts: list[dict[str, int | None]]) -> dict:
+    """The tiny model's settings, fitted to every layout of the run: query groups (and twice as
+    many heads) divisible by each TP size, layers by each pp * vpp (at least 4), head dim 8. The
+    reference and every layout use the same model, so a layout added to the list changes it for all."""
+    tp = math.lcm(*(layout["tp"] for layout in layouts))
+    stages = math.lcm(*(layout["pp"] * (layout["vpp"] or 1) for layout in layouts))
+    groups = max(2, tp)
+    heads = 2 * groups
+    return dict(vocab_size=100, hidden_size=8 * heads, num_layers=stages * -(-4 // stages),
+                num_attention_heads=heads, num_query_groups=groups, ffn_hidden_size=12 * heads,
+                tie_embeddings=True, add_qkv_bias=True, max_position_embeddings=64)
+
+
+def packed_budget(layout: dict[str, int | None]) -> int:
+    """Tokens per rank per packed micro-batch: about 2.5 of the longest padded sequences, so a
+    rank's 8 / dp sequences of 3 to 13 tokens make several micro-batches."""
+    cp = layout["cp"]
+    multiple = 2 * cp if cp > 1 else 1
+    longest = -(-SEQ // multiple) * multiple
+    return -(-longest * 5 // 2 // cp)
 
 
 # ---- worker (one torchrun process) ----------------------------------------------------------------
@@ -117,7 +144,7 @@ def micro_batch_sizes(layout: dict, args) -> tuple[int, int]:
     return mbs, mbs * layout["dp"]
 
 
-def _step_config(args, mbs: int):
+def _step_config(args, mbs: int, max_tokens: int = 0):
     from megatron_rlcorr.config import RolloutCorrectionConfig
     from megatron_rlcorr.training.losses import LossConfig
     from megatron_rlcorr.training.step import StepConfig
@@ -136,7 +163,8 @@ def _step_config(args, mbs: int):
                                              bypass_mode=True, use_policy_gradient=pg)
     loss_type = "policy_gradient" if pg and args.mode == "decoupled" else "ppo_clip"
     return StepConfig(loss=LossConfig(loss_type=loss_type, loss_agg_mode=args.agg, entropy_coeff=0.01),
-                      correction=correction, micro_batch_size=mbs, temperature=TEMPERATURE)
+                      correction=correction, micro_batch_size=mbs, temperature=TEMPERATURE,
+                      max_tokens_per_micro_batch=max_tokens)
 
 
 def run_worker(args) -> None:
@@ -155,13 +183,13 @@ def run_worker(args) -> None:
     enable_cpu_megatron()
     layout = parse_layout(args.layout)
     groups = build_parallel_groups(layout["tp"], layout["pp"], layout["cp"], layout["vpp"])
-    model_cfg = ModelConfig(**MODEL)
+    model_cfg = ModelConfig(**json.loads(args.model))
     chunks, optimizer, scheduler = build_model_and_optimizer(model_cfg, OptimSettings(**OPTIM), groups, seed=SEED,
                                                              total_steps=args.steps)
     init_weights = init_full_weights(model_cfg, SEED)
     per_rank = BATCH // groups.dp_size
     rows = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
-    cfg = _step_config(args, args.mbs)
+    cfg = _step_config(args, args.mbs, args.max_tokens)
     history = []
     for step in range(args.steps):
         data = _synthetic_batch(step, model_cfg, init_weights, overconfident=_bypass_ppo(args))
@@ -169,7 +197,8 @@ def run_worker(args) -> None:
         old = None
         if not cfg.correction.bypass_mode:
             old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=cfg.micro_batch_size,
-                                        temperature=cfg.temperature)
+                                        temperature=cfg.temperature,
+                                        max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
         history.append({k: float(v) for k, v in result.metrics.items()})
     weights = export_full_weights(chunks, groups)
@@ -180,11 +209,12 @@ def run_worker(args) -> None:
 
 # ---- driver ---------------------------------------------------------------------------------------
 
-def launch(name: str, layout: dict, args, out: Path, mbs: int) -> str | None:
+def launch(name: str, layout: dict, args, out: Path, mbs: int, max_tokens: int = 0) -> str | None:
     """Run the worker for one layout; None on success, else the tail of its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size(layout)}",
            str(Path(__file__).resolve()), "--worker", "--layout", name, "--out", str(out), "--steps", str(args.steps),
-           "--mode", args.mode, "--loss", args.loss, "--agg", args.agg, "--mbs", str(mbs)]
+           "--mode", args.mode, "--loss", args.loss, "--agg", args.agg, "--mbs", str(mbs),
+           "--max-tokens", str(max_tokens), "--model", args.model]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -215,11 +245,16 @@ def main(argv=None) -> int:
     parser.add_argument("--loss", choices=["ppo", "pg"], default="ppo")
     parser.add_argument("--agg", choices=list(LOSS_AGG_MODES),
                         default="token-mean")
+    parser.add_argument("--packed", action="store_true",
+                        help="layouts train on packed micro-batches (THD) of ~2.5 sequences' tokens per rank; the "
+                             "reference stays padded")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per layout")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--mbs", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--max-tokens", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
@@ -235,7 +270,14 @@ def main(argv=None) -> int:
     for name, layout in layouts.items():
         if BATCH % (layout["dp"] * 2):
             parser.error(f"layout {name}: dp={layout['dp']} must divide the batch of {BATCH} into micro-batches of 2")
-    print(f"mode={args.mode} loss={args.loss} agg={args.agg} steps={args.steps} (fp32, CPU/gloo)")
+    if args.packed and args.mode == "bypass" and args.loss == "pg":
+        parser.error("--packed with --mode bypass --loss pg: bypass policy gradient corrects per micro-batch, so its "
+                     "metrics follow the packing; compare it padded")
+    model = tiny_model([*layouts.values(), parse_layout("tp1")])
+    args.model = json.dumps(model)
+    print(f"mode={args.mode} loss={args.loss} agg={args.agg} steps={args.steps}{' packed' if args.packed else ''} "
+          f"(fp32, CPU/gloo); model: {model['num_layers']} layers, {model['num_attention_heads']} heads, "
+          f"{model['num_query_groups']} query groups, hidden {model['hidden_size']}")
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         refs: dict[int, dict] = {}
@@ -254,7 +296,7 @@ def main(argv=None) -> int:
                     return 1
                 refs[ref_mbs] = torch.load(ref_out, weights_only=False)
             ref = refs[ref_mbs]
-            error = launch(name, layout, args, out, mbs)
+            error = launch(name, layout, args, out, mbs, packed_budget(layout) if args.packed else 0)
             if error:
                 failed = True
                 print(f"{name:<12}{world_size(layout):>6}  ERROR\n{error}")

@@ -1,8 +1,8 @@
 """Megatron-Core's GPTModel for a ModelConfig under a parallel layout.
 
 Transformer Engine layers when CUDA and TE are present (BF16/FP8), Megatron-Core's local layers
-otherwise (the CPU path; under context parallelism with our all-gather attention, since
-Megatron's local attention rejects CP). The output layer is vocabulary-parallel and the logits
+otherwise (the CPU path, with our all-gather attention, since Megatron's local attention rejects
+CP and packed sequences). The output layer is vocabulary-parallel and the logits
 of Megatron's vocabulary padding are PADDED_VOCAB_LOGIT, so log-softmax over the padded
 vocabulary equals the real one.
 
@@ -27,6 +27,12 @@ from .weights import SPLIT_DIM, SeededWeights, WeightSource, load_full_weights, 
 if TYPE_CHECKING:  # megatron.core is imported only where a model is built (import time ~5 s)
     from ..parallel.groups import ParallelGroups
 
+SEQUENCE_PARALLEL_NEEDS_TE = (
+    "parallel.sequence_parallel needs Transformer Engine's layers (a CUDA machine with transformer_engine): "
+    "Megatron-Core's torch norms cannot split the sequence over tensor-parallel ranks; set "
+    "parallel.sequence_parallel: false here")
+
+
 def transformer_config(cfg: ModelConfig, groups: ParallelGroups):
     """Megatron-Core TransformerConfig for `cfg` under the parallel layout of `groups`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -37,6 +43,14 @@ def transformer_config(cfg: ModelConfig, groups: ParallelGroups):
     stages = groups.pp_size * (groups.vpp_size or 1)
     if cfg.num_layers % stages:
         raise ValueError(f"num_layers ({cfg.num_layers}) must be divisible by pp*vpp = {stages}")
+    if groups.sequence_parallel and not use_transformer_engine():
+        raise ValueError(SEQUENCE_PARALLEL_NEEDS_TE)
+    recompute = cfg.recompute.transformer_config_fields() if cfg.recompute is not None else {}
+    if cfg.recompute is not None and cfg.recompute.granularity == "full" and cfg.recompute.method == "block":
+        per_stage = cfg.num_layers // stages
+        if cfg.recompute.num_layers > per_stage:
+            raise ValueError(f"model.recompute.num_layers={cfg.recompute.num_layers} with method: block exceeds the "
+                             f"{per_stage} layers of a pipeline stage (num_layers / (pp * vpp))")
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -64,6 +78,8 @@ def transformer_config(cfg: ModelConfig, groups: ParallelGroups):
         pipeline_model_parallel_size=groups.pp_size,
         virtual_pipeline_model_parallel_size=groups.vpp_size,
         context_parallel_size=groups.cp_size,
+        sequence_parallel=groups.sequence_parallel,
+        **recompute,
         **_fp8_settings(cfg.fp8),
     )
 
@@ -100,21 +116,36 @@ def use_transformer_engine() -> bool:
     return True
 
 
-def _layer_spec(cfg: ModelConfig, groups: ParallelGroups):
+def _layer_spec(cfg: ModelConfig, groups: ParallelGroups, config, vp_stage: int | None):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     if cfg.fp8 is not None:
         raise ValueError("model.fp8 needs Transformer Engine on a CUDA machine; remove fp8 to run without it")
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
-    if groups.cp_size > 1:
-        from ..parallel.cp_attention import ContextParallelAttention
+    return _local_block_spec(cfg, groups, config, vp_stage)
 
-        # Megatron's DotProductAttention rejects context parallelism; ours attends over the
-        # all-gathered K/V with the causal mask on global zigzag positions.
-        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
-    return spec
+
+def _local_block_spec(cfg: ModelConfig, groups: ParallelGroups, config, vp_stage: int | None):
+    """The CPU path's block: local layers, our attention, torch norms.
+
+    The block is spelled out because Megatron-Core picks the final norm of a block built from a
+    layer spec by what is installed (Transformer Engine's when it is), and TE's norm needs CUDA:
+    on a GPU machine with the GPUs hidden the CPU path must not use it.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from ..parallel.cp_attention import ContextParallelAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+    # Megatron's DotProductAttention rejects context parallelism and packed (THD) sequences; ours
+    # attends over the all-gathered K/V with the causal mask on global zigzag positions, within
+    # each packed sequence.
+    spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=WrappedTorchNorm)
 
 
 def initial_weights(cfg: ModelConfig, seed: int) -> WeightSource:
@@ -164,9 +195,10 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
     if post_process is None:
         post_process = groups.is_pipeline_last_stage(vp_stage)
     padded_vocab = pad_vocab_size(cfg.vocab_size, groups.tp_size, cfg.make_vocab_size_divisible_by)
+    config = transformer_config(cfg, groups)
     model = GPTModel(
-        config=transformer_config(cfg, groups),
-        transformer_layer_spec=_layer_spec(cfg, groups),
+        config=config,
+        transformer_layer_spec=_layer_spec(cfg, groups, config, vp_stage),
         vocab_size=padded_vocab,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

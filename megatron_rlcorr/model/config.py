@@ -38,6 +38,46 @@ class Fp8Config:
         check_choice("fp8.recipe", self.recipe, Fp8RecipeName)
 
 
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
+RecomputeModule = Literal["core_attn", "mlp", "layernorm"]
+
+
+@dataclass(frozen=True)
+class RecomputeSettings:
+    """Activation recomputation (Megatron-Core's recompute_*): memory for compute.
+
+    full: keep only the input of each recomputed chunk of layers and run the chunk again in the
+    backward pass; `method: uniform` cuts each pipeline stage's layers into chunks of
+    `num_layers`, `method: block` recomputes the first `num_layers` layers of every stage.
+    selective: recompute only `modules` of every layer (by default core attention, whose
+    activations grow with the square of the sequence without flash attention).
+    """
+
+    granularity: RecomputeGranularity = "full"
+    method: RecomputeMethod = "uniform"                       # full only
+    num_layers: int = 1                                       # full only
+    modules: tuple[RecomputeModule, ...] = ("core_attn",)     # selective only
+
+    def __post_init__(self) -> None:
+        check_choice("recompute.granularity", self.granularity, RecomputeGranularity)
+        check_choice("recompute.method", self.method, RecomputeMethod)
+        if self.num_layers < 1:
+            raise ValueError(f"recompute.num_layers must be >= 1, got {self.num_layers}")
+        object.__setattr__(self, "modules", tuple(self.modules))
+        for module in self.modules:
+            check_choice("recompute.modules[]", module, RecomputeModule)
+        if self.granularity == "selective" and not self.modules:
+            raise ValueError("recompute.modules is empty: selective recomputation needs at least one module "
+                             "(core_attn, mlp, layernorm), or use granularity: full")
+
+    def transformer_config_fields(self) -> dict[str, Any]:
+        if self.granularity == "full":
+            return dict(recompute_granularity="full", recompute_method=self.method,
+                        recompute_num_layers=self.num_layers)
+        return dict(recompute_granularity="selective", recompute_modules=list(self.modules))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The recipe's `model:` section (Megatron-Core names where one exists)."""
@@ -61,6 +101,7 @@ class ModelConfig:
     params_dtype: ParamsDtype | None = None  # None: "bfloat16" with bf16, else "float32"
     bf16: bool = False
     fp8: Fp8Config | None = None
+    recompute: RecomputeSettings | None = None  # activation recomputation; None: keep every activation
     # Megatron pads the vocabulary to a multiple of this times the TP size (GEMM efficiency);
     # the padding never gets probability (PADDED_VOCAB_LOGIT).
     make_vocab_size_divisible_by: int = 128
@@ -75,6 +116,8 @@ class ModelConfig:
             object.__setattr__(self, "params_dtype", "bfloat16" if self.bf16 else "float32")
         if isinstance(self.fp8, Mapping):
             object.__setattr__(self, "fp8", from_mapping(Fp8Config, self.fp8, "fp8"))
+        if isinstance(self.recompute, Mapping):
+            object.__setattr__(self, "recompute", from_mapping(RecomputeSettings, self.recompute, "recompute"))
         self.decoder_shape  # noqa: B018 - validates the architecture fields
         check_positive_ints(self, ("max_position_embeddings", "make_vocab_size_divisible_by"))
         if not self.init_method_std > 0:
@@ -95,6 +138,13 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def token_alignment(self) -> int:
+        """What each rank's token count must be a multiple of: 16 for FP8 GEMMs, 32 for MXFP8."""
+        if self.fp8 is None:
+            return 1
+        return 32 if self.fp8.recipe == "mxfp8" else 16
 
     @property
     def torch_params_dtype(self) -> torch.dtype:

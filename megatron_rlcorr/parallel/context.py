@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 # Transformer Engine's FP8 GEMMs need the token dimension of every rank's input to be a
-# multiple of 16.
+# multiple of 16 (MXFP8's 32-element scaling blocks: 32).
 FP8_TOKEN_ALIGNMENT = 16
+MXFP8_TOKEN_ALIGNMENT = 32
 
 
 # ---- padded [b, s, ...] batches ----
@@ -82,21 +83,20 @@ class PackedSequences(NamedTuple):
 
 
 def cp_pad_multiple(cp_size: int, *, tp_size: int = 1, sequence_parallel: bool = False,
-                    fp8: bool = False) -> int:
-    """The multiple each packed sequence is padded to.
+                    token_alignment: int = 1) -> int:
+    """The multiple every sequence is padded to (each packed sequence, or a padded batch's width).
 
     The zigzag split needs 2*cp equal chunks. A sequence's tokens are spread over cp ranks, and
-    with sequence parallelism over cp*tp ranks; FP8 needs each rank's token count to be a
-    multiple of 16, which holds when each sequence's share per rank is.
+    with sequence parallelism over cp*tp ranks; `token_alignment` (16 for FP8, 32 for MXFP8,
+    1 otherwise) is what each rank's token count must be a multiple of, which holds when each
+    sequence's share per rank is.
     """
     _check_positive("cp_size", cp_size)
     _check_positive("tp_size", tp_size)
+    _check_positive("token_alignment", token_alignment)
     ranks_per_sequence = cp_size * (tp_size if sequence_parallel else 1)
     multiple = 2 * cp_size if cp_size > 1 else 1
-    multiple = math.lcm(multiple, ranks_per_sequence)
-    if fp8:
-        multiple = math.lcm(multiple, FP8_TOKEN_ALIGNMENT * ranks_per_sequence)
-    return multiple
+    return math.lcm(multiple, ranks_per_sequence * token_alignment)
 
 
 def pack_sequences(sequences: Sequence[torch.Tensor], pad_multiple: int, *,

@@ -1,9 +1,9 @@
-"""Causal core attention with context parallelism, without Transformer Engine.
+"""Causal core attention with context parallelism and packed sequences, without Transformer Engine.
 
 Megatron-Core's own DotProductAttention refuses context parallelism ("only supported by
 TEDotProductAttention") and packed sequences, and Transformer Engine needs CUDA. This module
-takes their place in the local (non-TE) layer spec so CP runs on the CPU (gloo) with the same
-layout as on GPUs: every CP rank holds Megatron's zigzag shard of each sequence (the sequence cut
+takes its place in the local (non-TE) layer spec, at any CP size, so CP and packed (THD)
+micro-batches run on the CPU (gloo) with the same layout as on GPUs: every CP rank holds Megatron's zigzag shard of each sequence (the sequence cut
 into 2*cp chunks; rank r holds chunks r and 2*cp-1-r, see `parallel/context.py`).
 
 Each rank all-gathers K and V over the CP group (backward: reduce-scatter of their gradients),
@@ -14,9 +14,10 @@ slices the rotary table with `get_pos_emb_on_this_cp_rank` (padded) or per seque
 
 Layouts: padded `[s, b, heads, head_dim]` (sbhd; causal mask only, no attention_mask), and packed
 THD `[t, heads, head_dim]` with `PackedSeqParams(qkv_format="thd")`, each sequence padded to a
-multiple of 2*cp (`cu_seqlens_q_padded`); tokens attend within their own sequence. GQA: K/V
-groups are shared by heads // groups query heads. Memory is O(local_tokens * total_tokens) per
-head: meant for CPU development and tests, not for long sequences.
+multiple of 2*cp (`cu_seqlens_q_padded`); tokens attend within their own sequence, one block per
+sequence. GQA: K/V groups are shared by heads // groups query heads. Memory is
+O(local_tokens * total_tokens) per head (padded) or per sequence (packed): meant for CPU
+development and tests, not for long sequences.
 """
 from __future__ import annotations
 
@@ -99,19 +100,25 @@ class ContextParallelAttention(MegatronModule):
         cp_size, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         cu_padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_padded = cu_padded.to(q_thd.device, torch.int64)
-        num_tokens = q_thd.shape[0] * cp_size
+        num_local = q_thd.shape[0]
         k_all, v_all = _all_gather_seq(k_tgd, self.cp_group), _all_gather_seq(v_tgd, self.cp_group)
-        # Positions in the whole packed batch: same sequence and not later means visible.
-        q_idx = packed_cp_indices(cu_padded, num_tokens, cp_size, cp_rank)
-        k_idx = torch.cat([packed_cp_indices(cu_padded, num_tokens, cp_size, r) for r in range(cp_size)])
-        q_seq = torch.searchsorted(cu_padded[1:], q_idx, right=True)
-        k_seq = torch.searchsorted(cu_padded[1:], k_idx, right=True)
-        allowed_qk = (q_seq[:, None] == k_seq[None, :]) & (k_idx[None, :] <= q_idx[:, None])
-        # [t, h, d] -> [1, h, t, d]
-        out_bhtd = self._attend(q_thd.transpose(0, 1)[None], k_all.transpose(0, 1)[None],
-                                v_all.transpose(0, 1)[None], allowed_qk)
-        t, h, d = q_thd.shape
-        return out_bhtd[0].transpose(0, 1).reshape(t, h * d)
+        # Global positions in the packed batch of every rank's tokens (the zigzag rule per sequence).
+        positions = [packed_cp_indices(cu_padded, num_local * cp_size, cp_size, r) for r in range(cp_size)]
+        local_cu = (cu_padded // cp_size).tolist()  # this host sync sizes the per-sequence blocks
+        out = q_thd.new_empty(q_thd.shape[0], q_thd.shape[1] * q_thd.shape[2])
+        # One block per sequence: cost sum(L_i^2), not (sum L_i)^2.
+        for start, end in zip(local_cu, local_cu[1:]):
+            if end == start:
+                continue
+            keys = [r * num_local + torch.arange(start, end, device=q_thd.device) for r in range(cp_size)]
+            k_index = torch.cat(keys)
+            k_pos = torch.cat([positions[r][start:end] for r in range(cp_size)])
+            allowed_qk = k_pos[None, :] <= positions[cp_rank][start:end, None]
+            # [t, h, d] -> [1, h, t, d]
+            out_bhtd = self._attend(q_thd[start:end].transpose(0, 1)[None], k_all[k_index].transpose(0, 1)[None],
+                                    v_all[k_index].transpose(0, 1)[None], allowed_qk)
+            out[start:end] = out_bhtd[0].transpose(0, 1).reshape(end - start, -1)
+        return out
 
     def _attend(self, q_bhqd, k_bgkd, v_bgkd, allowed_qk):
         """softmax(q k^T * scale, masked) v with float32 softmax; K/V groups shared by heads."""

@@ -25,6 +25,11 @@ distributed optimizer, every patch below is hit, and the run fails without it:
 7. The tensor-parallel RNG tracker (`model_parallel_cuda_manual_seed`; DotProductAttention
    forks it around dropout even at p=0) stores CUDA generator states: a subclass with the same
    interface on the CPU generator replaces it.
+8. On a GPU machine with the GPUs hidden (the CPU-path tests there), Megatron-Core's optimizer
+   modules picked Transformer Engine's fused Adam and multi-tensor kernels at import, which
+   need CUDA: torch's Adam and Megatron's own multi-tensor functions replace them (a no-op where
+   Transformer Engine is absent, as on the CPU machines). The model side avoids TE's norm in
+   model/build.py.
 
 Everything here is process-global and only ever installed when `torch.cuda.is_available()` is
 False, so GPU runs execute Megatron-Core unmodified. The torch function mode is thread-local:
@@ -56,6 +61,7 @@ def enable_cpu_megatron() -> bool:
         torch.cuda.current_stream = _null_stream
         _CudaToCpuMode().__enter__()  # stays on the mode stack for the life of the thread
         _install_cpu_rng_tracker()
+        _use_torch_optimizer_kernels()
         _enabled = True
     return True
 
@@ -142,3 +148,21 @@ def _install_cpu_rng_tracker() -> None:
     # (model_parallel_cuda_manual_seed) then resets and fills ours.
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _use_torch_optimizer_kernels() -> None:
+    from megatron.core import optimizer
+    from megatron.core import utils as megatron_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    optimizer.USING_PYTORCH_OPTIMIZER = True  # build torch.optim.Adam / AdamW
+    optimizer.Adam, optimizer.SGD = torch.optim.AdamW, torch.optim.SGD
+    # The distributed optimizer's state (de)serialisation follows the optimizer's kind.
+    distrib_optimizer.Adam = torch.optim.Adam
+    distrib_optimizer.HAVE_APEX_OR_TE = False
+    distrib_optimizer.USING_TE_OPTIMIZER = distrib_optimizer.USING_APEX_OPTIMIZER = False
+    applier, scale = megatron_utils.local_multi_tensor_applier, megatron_utils.local_multi_tensor_scale
+    megatron_optimizer.multi_tensor_applier, megatron_optimizer.multi_tensor_scale_impl = applier, scale
+    clip_grads.multi_tensor_applier, clip_grads.multi_tensor_scale_impl = applier, scale
+    clip_grads.l2_norm_impl = megatron_utils.local_multi_tensor_l2_norm

@@ -26,6 +26,7 @@ class ParallelGroups:
     `dp` is the pure data-parallel group; `dp_cp` joins data and context parallelism (the group
     over which weight gradients are reduced and over which every token of a batch is counted).
     `pg_collection` is what Megatron-Core modules (GPTModel) take as `pg_collection`.
+    `vpp_size` and `sequence_parallel` complete the layout the model is built for.
     """
 
     tp: dist.ProcessGroup
@@ -35,6 +36,7 @@ class ParallelGroups:
     dp_cp: dist.ProcessGroup
     pg_collection: ProcessGroupCollection
     vpp_size: int | None = None
+    sequence_parallel: bool = False
 
     @property
     def tp_size(self) -> int:
@@ -89,17 +91,21 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None) -> ParallelGroups:
+def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, sequence_parallel: bool = False,
+                          timeout_minutes: int | None = None) -> ParallelGroups:
     """Create Megatron-Core's model-parallel groups for this world and return them.
 
     Call once per process, after `torch.distributed.init_process_group`. The data-parallel size
-    is world_size / (tp * pp * cp).
+    is world_size / (tp * pp * cp). `timeout_minutes`: the collective timeout of every group
+    (None: Megatron-Core's default, 30 minutes).
     """
     if not dist.is_initialized():
         raise RuntimeError("build_parallel_groups needs torch.distributed.init_process_group() first")
     for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
         if size < 1:
             raise ValueError(f"parallel.{name} must be >= 1, got {size}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
     if vpp is not None and (vpp < 1 or (pp == 1 and vpp > 1)):
         raise ValueError(f"parallel.vpp={vpp} needs pipeline parallelism (pp > 1) and vpp >= 1, or vpp: null")
     world_size = dist.get_world_size()
@@ -115,6 +121,7 @@ def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None) -> 
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        **({} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}),
     )
     return ParallelGroups(
         tp=parallel_state.get_tensor_model_parallel_group(),
@@ -124,6 +131,7 @@ def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None) -> 
         dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         vpp_size=vpp,
+        sequence_parallel=sequence_parallel,
     )
 
 

@@ -58,10 +58,11 @@ class Recipe:
         self._check_overlong()
         corr = self.algorithm.rollout_correction
         if (corr is not None and corr.bypass_mode and corr.use_policy_gradient and corr.rollout_is_batch_normalize
-                and per_rank != self.trainer.micro_batch_size):
+                and (per_rank != self.trainer.micro_batch_size or self.trainer.max_tokens_per_micro_batch)):
             raise ValueError(f"algorithm.rollout_correction.rollout_is_batch_normalize in bypass policy-gradient mode "
                              f"needs one micro-batch per rank: set trainer.micro_batch_size={per_rank} (the "
-                             f"sequences per rank per mini-batch) or rollout_is_batch_normalize: false")
+                             f"sequences per rank per mini-batch) and trainer.max_tokens_per_micro_batch: 0 (no "
+                             f"packing), or rollout_is_batch_normalize: false")
         return dp
 
     def _check_mini_batch(self, dp: int) -> int:
@@ -72,10 +73,30 @@ class Recipe:
             raise ValueError(f"trainer.mini_batch_prompts={mini} must divide data.prompts_per_step={prompts}, and its "
                              f"sequences (x rollout.n={n}) must split evenly over the data-parallel size {dp}")
         per_rank = mini * n // dp
-        if per_rank % self.trainer.micro_batch_size:
+        if self.trainer.max_tokens_per_micro_batch:
+            self._check_token_budget()
+        elif per_rank % self.trainer.micro_batch_size:
             raise ValueError(f"trainer.micro_batch_size={self.trainer.micro_batch_size} must divide the sequences per "
                              f"rank per mini-batch ({per_rank} = mini_batch_prompts {mini} x n {n} / dp {dp})")
         return per_rank
+
+    def _check_token_budget(self) -> None:
+        """The packing budget must hold the longest sequence the run can produce (when the prompt
+        length is bounded), padded as the step pads it."""
+        budget, prompt = self.trainer.max_tokens_per_micro_batch, self.data.max_prompt_length
+        if prompt is None:
+            return
+        from ..parallel.context import cp_pad_multiple
+
+        p = self.parallel
+        multiple = cp_pad_multiple(p.cp, tp_size=p.tp, sequence_parallel=p.sequence_parallel,
+                                   token_alignment=self.model.token_alignment)
+        longest = -(-(prompt + self.rollout.max_new_tokens) // multiple) * multiple // p.cp
+        if budget < longest:
+            raise ValueError(f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sequence: "
+                             f"data.max_prompt_length {prompt} + rollout.max_new_tokens {self.rollout.max_new_tokens}"
+                             f", padded to a multiple of {multiple}, is {longest} tokens per context-parallel rank; "
+                             f"set it to at least {longest}")
 
     def _check_overlong(self) -> None:
         overlong, limit = self.algorithm.overlong_penalty, self.rollout.max_new_tokens
@@ -94,6 +115,11 @@ class Recipe:
                              f"by parallel.tp={self.parallel.tp}")
         if self.model.num_layers % (self.parallel.pp * (self.parallel.vpp or 1)):
             raise ValueError(f"model.num_layers={self.model.num_layers} must be divisible by parallel.pp*vpp")
+        if self.parallel.sequence_parallel:
+            from ..model.build import SEQUENCE_PARALLEL_NEEDS_TE, use_transformer_engine
+
+            if not use_transformer_engine():
+                raise ValueError(SEQUENCE_PARALLEL_NEEDS_TE)
         return dp
 
     def _check_task(self) -> None:

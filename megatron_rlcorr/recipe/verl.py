@@ -414,20 +414,20 @@ _ORDER = (
     "algorithm.loss.clip_ratio_high", "algorithm.loss.clip_ratio_c", "algorithm.loss.loss_agg_mode",
     "algorithm.loss.loss_scale_factor", "algorithm.loss.entropy_coeff", _RC, "optim.lr", "optim.min_lr",
     "optim.warmup_steps", "optim.decay_style", "optim.weight_decay", "optim.clip_grad", "trainer.steps",
-    "trainer.mini_batch_prompts", "trainer.micro_batch_size", "trainer.ppo_epochs", "trainer.seed",
-    "trainer.save_every",
+    "trainer.mini_batch_prompts", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",
+    "trainer.ppo_epochs", "trainer.seed", "trainer.save_every",
 )
 
 _FSDP = "FSDP settings: this trainer is Megatron-Core only (its layout is parallel: tp/pp/cp/vpp)"
-_TOKEN_BUDGET = ("token-budget micro-batching comes with a later release; micro-batches are counted in sequences "
-                 "here (trainer.micro_batch_size)")
+_LOG_PROB_BUDGET = ("the log-prob passes (pi_old, reference) pack with the actor's budget, "
+                    "trainer.max_tokens_per_micro_batch")
 _ENGINE_TUNING = "rollout engine tuning comes with a later release"
 # (pattern, reason) for keys no rule consumed; the first match wins.
 _UNMAPPED: tuple[tuple[str, str], ...] = (
     (r"ulysses_sequence_parallel_size$", "Ulysses sequence parallelism (FSDP): use parallel.cp (context "
                                          "parallelism) for long sequences here"),
     (r"\.fsdp_config\.|\.strategy$|^actor_rollout_ref\.hybrid_engine$", _FSDP),
-    (r"use_dynamic_bsz$|max_token_len(_per_gpu)?$", _TOKEN_BUDGET),
+    (r"log_prob_use_dynamic_bsz$|log_prob_max_token_len(_per_gpu)?$", _LOG_PROB_BUDGET),
     (r"log_prob_micro_batch_size(_per_gpu)?$", "the log-prob passes use trainer.micro_batch_size"),
     (rf"^{re.escape(_A)}ppo_micro_batch_size$", "verl's deprecated global micro-batch size: set "
                                                "trainer.micro_batch_size (sequences per rank)"),
@@ -524,7 +524,7 @@ class _Mapper:
         self._unresolved()
         for rule in (self._engine, self._precision, self._reward, self._long_prompts, self._estimator,
                      self._dynamic_sampling, self._kl, self._reference, self._loss, self._correction,
-                     self._optim, self._trainer):
+                     self._optim, self._trainer, self._micro_batching):
             rule()
         for key in self.values:
             if key in _DIRECT and self._pending(key):
@@ -867,6 +867,26 @@ class _Mapper:
             self.map(save, "trainer.save_every", max(value, 0))
             if value <= 0:
                 self.differ(save, "save_freq")
+
+
+    def _micro_batching(self) -> None:
+        """verl's dynamic batch size: packed micro-batches of a token budget per GPU, which is
+        trainer.max_tokens_per_micro_batch (both count a rank's tokens after the CP split)."""
+        dynamic, budget = _A + "use_dynamic_bsz", _A + "ppo_max_token_len_per_gpu"
+        if not self._pending(dynamic):
+            if self._pending(budget):
+                self.skip(budget, f"unused: {dynamic} is not set (verl's default: false)")
+            return
+        if not self.convert(dynamic, _bool):
+            self.skip(dynamic, "false: padded micro-batches of trainer.micro_batch_size sequences")
+            if self._pending(budget):
+                self.skip(budget, f"unused: {dynamic} is false")
+            return
+        if self._pending(budget):
+            self.map(budget, "trainer.max_tokens_per_micro_batch", self.convert(budget, _pos_int))
+            self.skip(dynamic, f"true: packed micro-batches (see {budget})")
+        else:
+            self.map(dynamic, "trainer.max_tokens_per_micro_batch", 16384)  # verl's default budget
 
 
 def _resolve_interpolations(values: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,10 @@ class TrainerSettings:
 
     steps: int = 10
     mini_batch_prompts: int = 0    # prompts (x rollout.n sequences) per optimizer step, all DP ranks; 0 = all
-    micro_batch_size: int = 8      # sequences per forward pass on one rank
+    micro_batch_size: int = 8      # sequences per forward pass on one rank (padded micro-batches)
+    # > 0: pack sequences into micro-batches of at most this many tokens per rank (verl's
+    # ppo_max_token_len_per_gpu with use_dynamic_bsz); micro_batch_size then sizes only score's calls
+    max_tokens_per_micro_batch: int = 0
     ppo_epochs: int = 1
     seed: int = 1234
     output_dir: str = "runs"
@@ -43,12 +46,13 @@ class TrainerSettings:
     exit_interval: int = 0         # Megatron's --exit-interval: save and stop after steps divisible by it; 0 = off
     save_hf: bool = False          # at the end of the run, also write <run_dir>/hf as a Hugging Face checkpoint
     save_hf_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    timeout_minutes: int = 60      # every process group's collective timeout (long generations wait)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "ppo_epochs", "log_every"):
+        for name in ("steps", "micro_batch_size", "ppo_epochs", "log_every", "timeout_minutes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("mini_batch_prompts", "save_every", "exit_interval"):
+        for name in ("mini_batch_prompts", "save_every", "exit_interval", "max_tokens_per_micro_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

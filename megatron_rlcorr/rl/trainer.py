@@ -96,6 +96,7 @@ class Trainer:
         algo = recipe.algorithm
         self.step_cfg = StepConfig(loss=algo.loss, correction=algo.rollout_correction,
                                    micro_batch_size=trainer.micro_batch_size,
+                                   max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
                                    temperature=recipe.rollout.temperature or 1.0, kl_loss=algo.kl_loss,
                                    response_limit=recipe.rollout.max_new_tokens)
         self.reference = (ReferencePolicy(recipe.model, groups, seed=trainer.seed, settings=algo.reference)
@@ -106,8 +107,6 @@ class Trainer:
             tok = self.task.tokenizer
             self.engine = make_engine(recipe.rollout, recipe.model.decoder_shape, eos_token_id=tok.eos_ids,
                                       pad_token_id=tok.pad_id, device=self.device)
-        # step.py pads for CP itself; sequence parallelism also needs each CP chunk divisible by tp.
-        self.pad_multiple = 2 * groups.cp_size * groups.tp_size if recipe.parallel.sequence_parallel else 1
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -167,9 +166,11 @@ class Trainer:
         metrics: dict[str, torch.Tensor] = {}
         if cfg.correction.needs_old_log_prob_pass:
             old = compute_old_log_probs(self.model, batch, groups=self.groups, micro_batch_size=cfg.micro_batch_size,
-                                        temperature=cfg.temperature)
+                                        temperature=cfg.temperature,
+                                        max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         if self.reference is not None:
-            ref = self.reference.log_probs(batch, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature)
+            ref = self.reference.log_probs(batch, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
+                                           max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         if old is not None:
             correction, metrics = step_correction(old, batch, cfg.correction, self.groups)
         return old, ref, correction, dict(metrics)
@@ -247,7 +248,7 @@ class Trainer:
         algo = recipe.algorithm
         rollouts, first, stats = dynamic_sample(draw, self.groups_per_rank, algo.dynamic_sampling)
         advantages_B = group_advantages(rollouts.rewards_GN, algo.advantage_estimator, algo.norm_adv_by_std).reshape(-1)
-        batch, invalid = build_step_batch(rollouts, advantages_B, pad_multiple=self.pad_multiple)
+        batch, invalid = build_step_batch(rollouts, advantages_B)
         rewards_B1 = rollouts.rewards_GN.reshape(-1, 1).double()
         return batch, rewards_B1, rollout_sums(rollouts, first, stats, invalid, dropped)
 

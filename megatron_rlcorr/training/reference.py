@@ -42,13 +42,14 @@ class ReferencePolicy:
         self.device = next(self.chunks[0].parameters()).device
         self._offload()
 
-    def log_probs(self, batch: StepBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor | None:
+    def log_probs(self, batch: StepBatch, *, micro_batch_size: int, temperature: float,
+                  max_tokens_per_micro_batch: int = 0) -> torch.Tensor | None:
         """log pi_ref(targets) [B, T] on last-stage ranks, None elsewhere (collective over the
         model-parallel group, like compute_old_log_probs)."""
         self._load()
         try:
             return compute_old_log_probs(self.chunks, batch, groups=self.groups, micro_batch_size=micro_batch_size,
-                                         temperature=temperature)
+                                         temperature=temperature, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         finally:
             self._offload()
 

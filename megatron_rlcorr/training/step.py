@@ -2,9 +2,10 @@
 
 Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
 
-1. Pad T to a multiple of 2*cp and cut this CP rank's zigzag shard of every per-token tensor
-   (tokens, targets, masks, rollout / old log-probs, advantages); positions are the shard's global
-   positions. Micro-batches are row slices of the shard.
+1. Cut every per-token tensor (tokens, targets, masks, rollout / old log-probs, advantages) into
+   this rank's micro-batches (microbatches.py): padded rows of `micro_batch_size`, or packed
+   sequences up to `max_tokens_per_micro_batch` tokens per rank; each sequence padded for the
+   zigzag CP split, sequence parallelism and FP8 (the model's TransformerConfig says which).
 2. Last pipeline stage only: in decoupled mode the rollout correction's weights and mask come
    precomputed, once for the whole RL step (`step_correction`, as verl computes them once over
    the step batch), and are cut like the other tensors; the mask (rejection sampling, veto)
@@ -13,9 +14,11 @@ Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
    Bypass mode (PPO and policy gradient) instead corrects inside each micro-batch's loss, from
    the current policy's (detached) log-probs against the rollout's.
 3. Megatron-Core's pipeline schedule runs forward/backward over the micro-batches (p2p over the
-   PP group); each loss is this micro-batch's share of the global loss, times the factor that
-   undoes the schedule's and DDP's averaging (optimizer.loss_scale_for_schedule), so the gradient
-   equals the single-process full-batch gradient for any layout and micro-batch size.
+   PP group; packed micro-batches go in as THD with PackedSeqParams); each loss is this
+   micro-batch's share of the global loss, times the factor that undoes the schedule's and DDP's
+   averaging (optimizer.loss_scale_for_schedule), so the gradient equals the single-process
+   full-batch gradient for any layout, micro-batch size or packing. `batch/padding_fraction`:
+   tokens computed / tokens the sequences need - 1.
 4. DDP all-reduces gradients (finalize_model_grads), Megatron's optimizer clips and steps.
    The learning-rate scheduler is the caller's: it advances once per RL step, so every update of
    a step uses that step's learning rate (verl's schedule). Metrics, kept as (sum, count)
@@ -56,8 +59,8 @@ from ..correction import compute_rollout_correction
 from .logprobs import token_logprobs_and_entropy
 from .kl import KLLossSettings
 from .losses import LossConfig, global_loss_normalizers, policy_loss, reduce_metric_partials
+from .microbatches import MicroBatchPlan, PackingRules, plan_packed, plan_padded, sequence_lengths, sequence_multiple
 from .optimizer import current_lr, loss_scale_for_schedule, zero_grads
-from ..parallel.context import merge_from_cp, pad_to_multiple, split_for_cp, zigzag_token_positions
 
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
@@ -79,6 +82,8 @@ class StepConfig:
     correction: RolloutCorrectionConfig
     micro_batch_size: int
     temperature: float = 1.0      # rollout temperature, applied to logits before log-probs
+    # > 0: packed micro-batches of at most this many tokens per rank (micro_batch_size unused)
+    max_tokens_per_micro_batch: int = 0
     kl_loss: KLLossSettings = KLLossSettings()
     # seq-mean-token-sum-norm's F when loss.loss_scale_factor is unset (the response length limit)
     response_limit: int = 1
@@ -86,6 +91,9 @@ class StepConfig:
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 0 (0: padded micro-batches), got "
+                             f"{self.max_tokens_per_micro_batch}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
@@ -105,46 +113,50 @@ class StepResult:
     update_successful: bool
 
 
-# ---- the CP shard of a mini-batch ----------------------------------------------------------
+# ---- this rank's micro-batches of a mini-batch ------------------------------------------------
 
 @dataclass
-class _Shard:
-    """This CP rank's zigzag share of a mini-batch: [B, T_pad / cp] per tensor."""
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    targets: torch.Tensor
-    mask: torch.Tensor
-    rollout: torch.Tensor
-    advantages: torch.Tensor
-    seq_len: int           # T_pad: the full padded length (pipeline p2p shapes)
+class _Local:
+    """A mini-batch cut into this rank's micro-batches (microbatches.py): one tensor per
+    micro-batch per field, `[b, T_pad / cp]` (padded) or `[n_local]` (packed)."""
+    plan: MicroBatchPlan
+    tokens: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    mask: list[torch.Tensor]
+    rollout: list[torch.Tensor]
+    advantages: list[torch.Tensor]
 
-    def rows(self, mb: int, mbs: int) -> slice:
-        return slice(mb * mbs, (mb + 1) * mbs)
-
-
-def _cp_split(x_BT: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
-    multiple = 2 * groups.cp_size if groups.cp_size > 1 else 1
-    return split_for_cp(pad_to_multiple(x_BT, multiple), groups.cp_size, groups.cp_rank)
+    def cu_seqlens(self, mb: int) -> torch.Tensor | None:
+        return self.plan.micro_batches[mb].cu_seqlens_local
 
 
-def _shard(batch: StepBatch, groups: ParallelGroups, device: torch.device) -> _Shard:
+def _plan(batch: StepBatch, model_chunks: list[Any], groups: ParallelGroups, *, micro_batch_size: int,
+          max_tokens: int, same_count_over_dp: bool) -> MicroBatchPlan:
+    """Padded micro-batches of `micro_batch_size` rows, or packed ones of `max_tokens` tokens per
+    rank, as many on every DP rank with `same_count_over_dp` (training: DDP's gradient all-reduce
+    and the per-micro-batch collectives of bypass mode run in lockstep; a forward-only pass needs
+    no agreement)."""
+    config, device = model_chunks[0].config, _model_device(model_chunks)
+    lengths = sequence_lengths(batch.response_mask_BT.to(device, non_blocking=True))
+    multiple = sequence_multiple(config)
+    cp_group = _group_or_none(groups.cp, groups.cp_size)
+    width = batch.tokens_BT.shape[1]
+    if not max_tokens:
+        return plan_padded(lengths, width, micro_batch_size=micro_batch_size, multiple=multiple,
+                           cp_size=groups.cp_size, cp_rank=groups.cp_rank, cp_group=cp_group, device=device)
+    rules = PackingRules(max_tokens, multiple, equal_sizes=groups.pp_size > 1,
+                         bins_multiple=groups.pp_size if groups.vpp_size else 1)
+    return plan_packed(lengths, width, rules, cp_size=groups.cp_size, cp_rank=groups.cp_rank, cp_group=cp_group,
+                       dp_group=_group_or_none(groups.dp, groups.dp_size) if same_count_over_dp else None,
+                       device=device)
+
+
+def _cut(batch: StepBatch, plan: MicroBatchPlan) -> _Local:
     _check_batch(batch)
-
-    def local(x_BT: torch.Tensor) -> torch.Tensor:
-        return _cp_split(x_BT.to(device, non_blocking=True), groups)
-
-    tokens = local(batch.tokens_BT)
-    seq_len = tokens.shape[1] * groups.cp_size
-    positions = zigzag_token_positions(seq_len, groups.cp_size, groups.cp_rank, device=device)
-    return _Shard(
-        tokens=tokens,
-        positions=positions.unsqueeze(0).expand_as(tokens),
-        targets=local(batch.targets_BT),
-        mask=local(batch.response_mask_BT.float()),
-        rollout=local(batch.rollout_log_probs_BT.float()),
-        advantages=local(batch.advantages_BT.float()),
-        seq_len=seq_len,
-    )
+    return _Local(plan=plan, tokens=plan.split(batch.tokens_BT), targets=plan.split(batch.targets_BT),
+                  mask=plan.split(batch.response_mask_BT.float()),
+                  rollout=plan.split(batch.rollout_log_probs_BT.float()),
+                  advantages=plan.split(batch.advantages_BT.float()))
 
 
 def _model_device(model_chunks: list[Any]) -> torch.device:
@@ -172,14 +184,8 @@ def _check_bypass_pg_batch_norm(cfg: StepConfig, num_microbatches: int) -> None:
     if c.bypass_mode and cfg.use_policy_gradient and c.rollout_is_batch_normalize and num_microbatches > 1:
         raise ValueError(f"rollout_is_batch_normalize in bypass policy-gradient mode needs one micro-batch per "
                          f"rank and mini-batch (got {num_microbatches}): raise trainer.micro_batch_size to the "
-                         f"sequences per rank per mini-batch, or set rollout_is_batch_normalize: false")
-
-
-def _num_microbatches(batch_size: int, micro_batch_size: int) -> int:
-    if batch_size % micro_batch_size:
-        raise ValueError(f"the mini-batch has {batch_size} sequences on this DP rank, not a multiple of "
-                         f"micro_batch_size={micro_batch_size}; pick a micro_batch_size that divides it")
-    return batch_size // micro_batch_size
+                         f"sequences per rank per mini-batch (without trainer.max_tokens_per_micro_batch), or "
+                         f"set rollout_is_batch_normalize: false")
 
 
 def _group_or_none(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup | None:
@@ -193,21 +199,27 @@ def _mask_only(correction: RolloutCorrectionConfig) -> RolloutCorrectionConfig:
 
 # ---- running the pipeline schedule ---------------------------------------------------------
 
-def _run_schedule(model_chunks: list[Any], shard: _Shard, loss_fn, *, groups: ParallelGroups,
-                  num_microbatches: int, micro_batch_size: int, forward_only: bool) -> None:
+def _run_schedule(model_chunks: list[Any], local: _Local, loss_fn, *, groups: ParallelGroups,
+                  forward_only: bool) -> None:
     """Megatron-Core's forward(/backward) schedule; `loss_fn(mb, logits)` -> (loss, {})."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+    plan = local.plan
+
     def forward_step(micro_batch_ids, model):
         mb = next(micro_batch_ids)
-        rows = shard.rows(mb, micro_batch_size)
-        output = model(shard.tokens[rows], shard.positions[rows], None)
+        micro = plan.micro_batches[mb]
+        tokens, positions = local.tokens[mb], micro.positions
+        if plan.is_packed:  # Megatron's THD micro-batch is one row of packed tokens
+            tokens, positions = tokens[None], positions[None]
+        output = model(tokens, positions, None, packed_seq_params=micro.packed_seq_params)
         return output, partial(loss_fn, mb)
 
+    num_microbatches = plan.num_microbatches
     if groups.vpp_size and num_microbatches < groups.pp_size:
         raise ValueError(f"virtual pipelining (vpp={groups.vpp_size}) needs at least pp={groups.pp_size} micro-batches "
-                         f"per DP rank, got {num_microbatches}: lower micro_batch_size={micro_batch_size}")
+                         f"per DP rank, got {num_microbatches}: lower micro_batch_size={plan.micro_batch_size}")
     config = model_chunks[0].config
     iterators = [iter(range(num_microbatches)) for _ in model_chunks]
     forward_backward = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size)
@@ -216,46 +228,45 @@ def _run_schedule(model_chunks: list[Any], shard: _Shard, loss_fn, *, groups: Pa
         data_iterator=iterators,
         model=model_chunks,
         num_microbatches=num_microbatches,
-        seq_length=shard.seq_len,
-        micro_batch_size=micro_batch_size,
+        seq_length=plan.seq_length,
+        micro_batch_size=plan.micro_batch_size,
         forward_only=forward_only,
         p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=config),
         pg_collection=groups.pg_collection,
     )
 
 
-def _merge_cp(local_BT: torch.Tensor, groups: ParallelGroups, seq_len: int) -> torch.Tensor:
-    """Full [B, seq_len] from every CP rank's zigzag shard (all-gather over CP)."""
-    if groups.cp_size > 1:
-        shards = [torch.empty_like(local_BT) for _ in range(groups.cp_size)]
-        dist.all_gather(shards, local_BT.contiguous(), group=groups.cp)
-        local_BT = merge_from_cp(shards, groups.cp_size)
-    return local_BT[:, :seq_len]
+def _log_probs(logits: torch.Tensor, targets: torch.Tensor, groups: ParallelGroups, temperature: float, *,
+               entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of a micro-batch's targets, shaped like the targets."""
+    log_prob, ent = token_logprobs_and_entropy(logits, targets.view(logits.shape[:-1]), tp_group=groups.tp,
+                                               temperature=temperature, compute_entropy=entropy)
+    return log_prob.view(targets.shape), None if ent is None else ent.view(targets.shape)
 
 
 def compute_old_log_probs(model_chunks: list[Any], batch: StepBatch, *, groups: ParallelGroups,
-                          micro_batch_size: int, temperature: float) -> torch.Tensor | None:
+                          micro_batch_size: int, temperature: float, max_tokens_per_micro_batch: int = 0
+                          ) -> torch.Tensor | None:
     """log pi_old(targets) [B, T] float32 (full, merged over CP) on last-stage ranks, None elsewhere.
 
-    A forward-only pass of the current weights through the pipeline schedule. Collective over
-    the model-parallel group of this DP rank (all of TP x CP x PP must call it).
+    A forward-only pass of the current weights through the pipeline schedule, in padded
+    micro-batches of `micro_batch_size` rows or, with `max_tokens_per_micro_batch`, packed ones.
+    Collective over the model-parallel group of this DP rank (all of TP x CP x PP must call it).
     """
-    shard = _shard(batch, groups, _model_device(model_chunks))
-    num_microbatches = _num_microbatches(shard.tokens.shape[0], micro_batch_size)
-    log_probs: list[torch.Tensor | None] = [None] * num_microbatches
+    plan = _plan(batch, model_chunks, groups, micro_batch_size=micro_batch_size,
+                 max_tokens=max_tokens_per_micro_batch, same_count_over_dp=False)
+    local = _cut(batch, plan)
+    log_probs: list[torch.Tensor | None] = [None] * plan.num_microbatches
 
     def loss_fn(mb, logits):
-        rows = shard.rows(mb, micro_batch_size)
-        log_probs[mb], _ = token_logprobs_and_entropy(logits, shard.targets[rows], tp_group=groups.tp,
-                                                      temperature=temperature)
+        log_probs[mb], _ = _log_probs(logits, local.targets[mb], groups, temperature, entropy=False)
         return logits.new_zeros(()), {}
 
     with torch.no_grad():
-        _run_schedule(model_chunks, shard, loss_fn, groups=groups, num_microbatches=num_microbatches,
-                      micro_batch_size=micro_batch_size, forward_only=True)
+        _run_schedule(model_chunks, local, loss_fn, groups=groups, forward_only=True)
     if not groups.is_pipeline_last_stage():
         return None
-    return _merge_cp(torch.cat(log_probs), groups, batch.tokens_BT.shape[1])
+    return plan.merge(log_probs, batch.tokens_BT.shape[1])
 
 
 # ---- the decoupled correction, once per RL step ---------------------------------------------
@@ -288,58 +299,64 @@ def step_correction(old_log_probs_BT: torch.Tensor, batch: StepBatch, correction
 
 @dataclass
 class _LossInputs:
-    """What the last stage's loss needs for the whole mini-batch (CP-sharded, [B, T_local])."""
-    old: torch.Tensor
-    ref: torch.Tensor | None
-    loss_mask: torch.Tensor
-    is_weights: torch.Tensor | None
+    """What the last stage's loss needs, per micro-batch (split like the tokens)."""
+    old: list[torch.Tensor]
+    ref: list[torch.Tensor] | None
+    loss_mask: list[torch.Tensor]
+    is_weights: list[torch.Tensor] | None
     normalizers: list
     correction_metrics: dict[str, torch.Tensor]
 
 
-def _local(full_BT: torch.Tensor, shard: _Shard, groups: ParallelGroups, name: str) -> torch.Tensor:
-    """This CP rank's part of a full-width [B, T] tensor of the mini-batch."""
-    local = _cp_split(full_BT.to(shard.rollout.device, torch.float32), groups)
-    if local.shape != shard.rollout.shape:
-        raise ValueError(f"{name} has shape {tuple(full_BT.shape)} but the mini-batch is "
-                         f"{tuple(shard.rollout.shape[:1])} x T")
-    return local
+def _split_full(full_BT: torch.Tensor, local: _Local, name: str) -> list[torch.Tensor]:
+    """This rank's micro-batch parts of a full-width [B, T] tensor of the mini-batch."""
+    if full_BT.shape[0] != local.plan.num_rows:
+        raise ValueError(f"{name} has shape {tuple(full_BT.shape)} but the mini-batch has {local.plan.num_rows} "
+                         "sequences")
+    return local.plan.split(full_BT.float())
 
 
-def _prepare_loss_inputs(shard: _Shard, cfg: StepConfig, groups: ParallelGroups, num_microbatches: int, *,
+def _prepare_loss_inputs(local: _Local, cfg: StepConfig, groups: ParallelGroups, *,
                          old_log_probs: torch.Tensor | None, ref_log_probs: torch.Tensor | None,
                          correction: StepCorrection | None) -> _LossInputs:
     cp_group = _group_or_none(groups.cp, groups.cp_size)
     dp_group = _group_or_none(groups.dp, groups.dp_size)
     if cfg.kl_loss.enabled and ref_log_probs is None:
         raise ValueError("the KL loss (kl_loss.enabled) needs the reference policy's log-probs (ref_log_probs)")
-    ref = None if ref_log_probs is None else _local(ref_log_probs, shard, groups, "ref_log_probs")
+    ref = None if ref_log_probs is None else _split_full(ref_log_probs, local, "ref_log_probs")
     if cfg.correction.bypass_mode:
-        return _LossInputs(shard.rollout, ref, shard.mask, None,
-                           _normalizers(shard.mask, shard, cfg, num_microbatches, cp_group, dp_group), {})
+        return _LossInputs(local.rollout, ref, local.mask, None,
+                           _normalizers(local.mask, local, cfg, cp_group, dp_group), {})
     if old_log_probs is None:
         raise ValueError("decoupled mode (correction.bypass_mode=False) needs old_log_probs from "
                          "compute_old_log_probs on the last pipeline stage; or set bypass_mode: true")
-    old = _local(old_log_probs, shard, groups, "old_log_probs")
+    old = _split_full(old_log_probs, local, "old_log_probs")
     if correction is not None:
-        loss_mask = _local(correction.mask_BT, shard, groups, "the correction's mask")
+        loss_mask = _split_full(correction.mask_BT, local, "the correction's mask")
         is_weights = (None if correction.is_weights_BT is None
-                      else _local(correction.is_weights_BT, shard, groups, "the correction's weights"))
+                      else _split_full(correction.is_weights_BT, local, "the correction's weights"))
         metrics = {}
-    else:
-        corr = compute_rollout_correction(old, shard.rollout, shard.mask, cfg.correction, cp_group=cp_group,
-                                          dp_group=dp_group, check_inputs=False)
-        loss_mask, is_weights, metrics = corr.response_mask, corr.is_weights, corr.metrics
-    normalizers = _normalizers(loss_mask, shard, cfg, num_microbatches, cp_group, dp_group)
+    else:  # the correction on this mini-batch, all micro-batches at once
+        old_all, cu = local.plan.concat(old)
+        corr = compute_rollout_correction(old_all, local.plan.concat(local.rollout)[0],
+                                          local.plan.concat(local.mask)[0], cfg.correction, cu_seqlens=cu,
+                                          cp_group=cp_group, dp_group=dp_group, check_inputs=False)
+        loss_mask = _unconcat(corr.response_mask, local.mask)
+        is_weights = None if corr.is_weights is None else _unconcat(corr.is_weights, local.mask)
+        metrics = corr.metrics
+    normalizers = _normalizers(loss_mask, local, cfg, cp_group, dp_group)
     return _LossInputs(old, ref, loss_mask, is_weights, normalizers, metrics)
 
 
-def _normalizers(loss_mask: torch.Tensor, shard: _Shard, cfg: StepConfig, num_microbatches: int, cp_group,
-                 dp_group) -> list:
-    mbs = cfg.micro_batch_size
-    masks = [loss_mask[shard.rows(mb, mbs)] for mb in range(num_microbatches)]
-    return global_loss_normalizers(masks, cfg.loss.loss_agg_mode, cp_group=cp_group, dp_group=dp_group,
-                                   loss_scale_factor=cfg.loss_scale_factor)
+def _unconcat(values: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of plan.concat: one tensor per micro-batch, shaped like `like`'s."""
+    return [part.view(ref.shape) for part, ref in zip(values.split([ref.shape[0] for ref in like]), like)]
+
+
+def _normalizers(loss_masks: list[torch.Tensor], local: _Local, cfg: StepConfig, cp_group, dp_group) -> list:
+    cu = [local.cu_seqlens(mb) for mb in range(len(loss_masks))] if local.plan.is_packed else None
+    return global_loss_normalizers(loss_masks, cfg.loss.loss_agg_mode, cu_seqlens=cu, cp_group=cp_group,
+                                   dp_group=dp_group, loss_scale_factor=cfg.loss_scale_factor)
 
 
 def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, groups: ParallelGroups,
@@ -354,51 +371,50 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
     None in decoupled mode, the correction runs on this mini-batch). The learning-rate scheduler
     is not stepped here (module docstring).
     """
-    shard = _shard(batch, groups, _model_device(model_chunks))
-    mbs = cfg.micro_batch_size
-    num_microbatches = _num_microbatches(shard.tokens.shape[0], mbs)
+    plan = _plan(batch, model_chunks, groups, micro_batch_size=cfg.micro_batch_size,
+                 max_tokens=cfg.max_tokens_per_micro_batch, same_count_over_dp=True)
+    local = _cut(batch, plan)
     is_last = groups.is_pipeline_last_stage()
     correct_in_loss = cfg.correction.bypass_mode  # bypass PPO and bypass policy gradient
-    _check_bypass_pg_batch_norm(cfg, num_microbatches)
+    _check_bypass_pg_batch_norm(cfg, plan.num_microbatches)
     bypass_ppo = correct_in_loss and not cfg.use_policy_gradient
     # Bypass PPO's loss needs only the RS/veto mask (no IS weights: the PPO ratio is the weight).
     mask_only = _mask_only(cfg.correction) if bypass_ppo else None
     loss_cfg = dataclasses.replace(cfg.loss, loss_type="policy_gradient") if cfg.use_policy_gradient else cfg.loss
-    inputs = (_prepare_loss_inputs(shard, cfg, groups, num_microbatches, old_log_probs=old_log_probs,
-                                   ref_log_probs=ref_log_probs, correction=correction) if is_last else None)
+    inputs = (_prepare_loss_inputs(local, cfg, groups, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                                   correction=correction) if is_last else None)
     cp_group = _group_or_none(groups.cp, groups.cp_size)
     dp_group = _group_or_none(groups.dp, groups.dp_size)
-    scale = loss_scale_for_schedule(num_microbatches, groups)
+    scale = loss_scale_for_schedule(plan.num_microbatches, groups)
     terms, partials, corr_metrics = [], [], []
-    theta_log_probs: list[torch.Tensor | None] = [None] * num_microbatches  # bypass PPO: detached pi_theta
+    theta_log_probs: list[torch.Tensor | None] = [None] * plan.num_microbatches  # bypass PPO: detached pi_theta
 
     def loss_fn(mb, logits):
-        rows = shard.rows(mb, mbs)
+        cu = local.cu_seqlens(mb)
         # Entropy always: it is reported whether or not it enters the loss.
-        log_prob, entropy = token_logprobs_and_entropy(logits, shard.targets[rows], tp_group=groups.tp,
-                                                       temperature=cfg.temperature, compute_entropy=True)
-        loss_mask, is_weights = inputs.loss_mask[rows], None if inputs.is_weights is None else inputs.is_weights[rows]
+        log_prob, entropy = _log_probs(logits, local.targets[mb], groups, cfg.temperature, entropy=True)
+        loss_mask, is_weights = inputs.loss_mask[mb], None if inputs.is_weights is None else inputs.is_weights[mb]
         if bypass_ppo:
             # RS + veto from pi_theta vs pi_rollout; per-sequence decisions need only the CP group.
             theta_log_probs[mb] = log_prob.detach()
-            loss_mask = compute_rollout_correction(theta_log_probs[mb], shard.rollout[rows], loss_mask, mask_only,
-                                                   cp_group=cp_group, check_inputs=False).response_mask
+            loss_mask = compute_rollout_correction(theta_log_probs[mb], local.rollout[mb], loss_mask, mask_only,
+                                                   cu_seqlens=cu, cp_group=cp_group, check_inputs=False).response_mask
         elif correct_in_loss:
-            corr = compute_rollout_correction(log_prob.detach(), shard.rollout[rows], loss_mask, cfg.correction,
-                                              cp_group=cp_group, dp_group=dp_group, check_inputs=False)
+            corr = compute_rollout_correction(log_prob.detach(), local.rollout[mb], loss_mask, cfg.correction,
+                                              cu_seqlens=cu, cp_group=cp_group, dp_group=dp_group,
+                                              check_inputs=False)
             loss_mask, is_weights = corr.response_mask, corr.is_weights
             corr_metrics.append(corr.metrics)
-        ref = None if inputs.ref is None else inputs.ref[rows]
-        out = policy_loss(log_prob, inputs.old[rows], shard.advantages[rows], loss_mask, loss_cfg,
+        ref = None if inputs.ref is None else inputs.ref[mb]
+        out = policy_loss(log_prob, inputs.old[mb], local.advantages[mb], loss_mask, loss_cfg,
                           normalizer=inputs.normalizers[mb], is_weights=is_weights, entropy=entropy,
-                          ref_log_prob=ref, kl=cfg.kl_loss)
+                          ref_log_prob=ref, kl=cfg.kl_loss, cu_seqlens=cu)
         terms.append(out.terms)
         partials.append(out.metrics)
         return out.loss * scale, {}
 
     zero_grads(model_chunks, optimizer)
-    _run_schedule(model_chunks, shard, loss_fn, groups=groups, num_microbatches=num_microbatches,
-                  micro_batch_size=mbs, forward_only=False)
+    _run_schedule(model_chunks, local, loss_fn, groups=groups, forward_only=False)
     lr = current_lr(optimizer)
     update_successful, grad_norm, _ = optimizer.step()
     if grad_norm is None:  # clip_grad == 0: Megatron skips the norm
@@ -406,17 +422,18 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
 
     metrics = {}
     if is_last and bypass_ppo:
-        # The whole shard's pi_theta at once: metrics (and the mask, equal to the loss's) as one
-        # process on the full batch would compute them, whatever the micro-batch size.
-        corr_metrics = [compute_rollout_correction(torch.cat(theta_log_probs), shard.rollout, shard.mask,
-                                                   cfg.correction, cp_group=cp_group, dp_group=dp_group,
-                                                   check_inputs=False).metrics]
+        # The whole mini-batch's pi_theta at once: metrics (and the mask, equal to the loss's) as
+        # one process on the full batch would compute them, whatever the micro-batches.
+        theta, cu = plan.concat(theta_log_probs)
+        corr_metrics = [compute_rollout_correction(theta, plan.concat(local.rollout)[0], plan.concat(local.mask)[0],
+                                                   cfg.correction, cu_seqlens=cu, cp_group=cp_group,
+                                                   dp_group=dp_group, check_inputs=False).metrics]
     if is_last:
-        metrics = _last_stage_metrics(terms, partials, corr_metrics or [inputs.correction_metrics], groups,
+        metrics = _last_stage_metrics(terms, partials, corr_metrics or [inputs.correction_metrics], plan, groups,
                                       cp_group, dp_group)
         if cfg.kl_loss.enabled:
             metrics["actor/kl_coef"] = torch.tensor(cfg.kl_loss.coef)
-    metrics = broadcast_from_last_stage(metrics, groups, shard.tokens.device)
+    metrics = broadcast_from_last_stage(metrics, groups, local.tokens[0].device)
     grad_norm_t = torch.as_tensor(float(grad_norm), dtype=torch.float32)
     metrics["actor/grad_norm"] = grad_norm_t
     metrics["actor/lr"] = torch.as_tensor(lr, dtype=torch.float32)
@@ -425,14 +442,20 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
 
 # ---- metrics -------------------------------------------------------------------------------
 
-def _last_stage_metrics(terms, partials, corr_metrics, groups: ParallelGroups, cp_group, dp_group
-                        ) -> dict[str, torch.Tensor]:
+def _last_stage_metrics(terms, partials, corr_metrics, plan: MicroBatchPlan, groups: ParallelGroups, cp_group,
+                        dp_group) -> dict[str, torch.Tensor]:
     # Each micro-batch's term is this rank's share of the mini-batch's: their sum over ranks is it.
     names = sorted({name for micro in terms for name in micro})
-    totals = torch.stack([torch.stack([micro[n] for micro in terms if n in micro]).sum().double() for n in names])
+    totals = [torch.stack([micro[n] for micro in terms if n in micro]).sum().double() for n in names]
+    # The padding statistics: every CP rank holds the whole count, hence the / cp before the sum.
+    device = totals[0].device
+    tokens = torch.stack([torch.tensor(float(plan.computed_tokens), device=device),
+                          plan.real_tokens.to(device, torch.float64)]) / groups.cp_size
+    totals = torch.cat([torch.stack(totals), tokens.double()])
     if groups.dp_cp_size > 1:
         dist.all_reduce(totals, group=groups.dp_cp)
     metrics = {f"actor/{name}": totals[i].float() for i, name in enumerate(names)}
+    metrics["batch/padding_fraction"] = (totals[-2] / totals[-1] - 1).float()
     metrics.update({f"actor/{name}": value
                     for name, value in reduce_metric_partials(partials, cp_group=cp_group, dp_group=dp_group).items()})
     names = sorted({name for m in corr_metrics for name in m})

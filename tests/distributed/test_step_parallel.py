@@ -63,16 +63,21 @@ SCENARIOS["byp_ppo_veto_adv"] = SCENARIOS["byp_ppo_veto"]
 VETOED_ROWS, VETOED_POS = (2, 6), 6  # both in the response; under cp2 position 6 lies on CP rank 1 only
 NONEMPTY_ROWS = 7  # row 5 is empty
 
-# (tp, pp, cp, world) -> [(scenario, micro_batch_size)]; bypass policy gradient corrects per
-# micro-batch, so its metrics match the reference only with one micro-batch per DP rank.
+# (tp, pp, cp, world) -> [(scenario, micro_batch_size[, max_tokens_per_micro_batch])]; bypass
+# policy gradient corrects per micro-batch, so its metrics match the reference only with one
+# micro-batch per DP rank. Runs with a token budget pack the sequences (THD); every budget here
+# makes several micro-batches of uneven sizes (checked by test_packed_runs_make_several_micro_batches).
 LAYOUTS = {
-    "tp2": ((2, 1, 1, 2), [("dec_ppo_tok", 2), ("byp_pg_stm", 8)]),
-    "cp2": ((1, 1, 2, 2), [("dec_ppo_tok", 4), ("byp_ppo_sts", 2), ("byp_ppo_veto", 2)]),
-    "pp2": ((1, 2, 1, 2), [("dec_pg_stm", 2), ("byp_ppo_sts", 4), ("all_rejected", 2), ("byp_ppo_veto", 1)]),
-    "dp2": ((1, 1, 1, 2), [("byp_pg_stm", 4), ("dec_pg_stm", 2), ("byp_ppo_veto_adv", 2)]),
-    "tp2cp2": ((2, 1, 2, 4), [("dec_pg_stm", 2), ("byp_pg_stm", 8)]),
-    "tp2pp2": ((2, 2, 1, 4), [("dec_ppo_tok", 2), ("byp_pg_stm", 8)]),
-    "cp2pp2": ((1, 2, 2, 4), [("byp_ppo_sts", 2), ("dec_ppo_tok", 4)]),
+    "tp2": ((2, 1, 1, 2), [("dec_ppo_tok", 2), ("byp_pg_stm", 8), ("byp_ppo_sts", 1, 20)]),
+    "cp2": ((1, 1, 2, 2), [("dec_ppo_tok", 4), ("byp_ppo_sts", 2), ("byp_ppo_veto", 2), ("dec_pg_stm", 1, 10),
+                           ("byp_ppo_veto", 1, 12)]),
+    "pp2": ((1, 2, 1, 2), [("dec_pg_stm", 2), ("byp_ppo_sts", 4), ("all_rejected", 2), ("byp_ppo_veto", 1),
+                           ("dec_ppo_tok", 1, 16)]),
+    "dp2": ((1, 1, 1, 2), [("byp_pg_stm", 4), ("dec_pg_stm", 2), ("byp_ppo_veto_adv", 2), ("dec_pg_stm", 1, 12)]),
+    "cp4": ((1, 1, 4, 4), [("byp_ppo_veto", 4), ("dec_ppo_tok", 1, 6), ("byp_ppo_sts", 1, 8)]),
+    "tp2cp2": ((2, 1, 2, 4), [("dec_pg_stm", 2), ("byp_pg_stm", 8), ("byp_ppo_sts", 1, 10)]),
+    "tp2pp2": ((2, 2, 1, 4), [("dec_ppo_tok", 2), ("byp_pg_stm", 8), ("dec_pg_stm", 1, 16)]),
+    "cp2pp2": ((1, 2, 2, 4), [("byp_ppo_sts", 2), ("dec_ppo_tok", 4), ("dec_ppo_tok", 1, 10)]),
     "tp2cp2pp2": ((2, 2, 2, 8), [("dec_ppo_tok", 2), ("byp_pg_stm", 8)]),
 }
 
@@ -112,14 +117,15 @@ def _make_batch(weights, cfg, scenario):
                 advantages_BT=advantages)
 
 
-def _step_config(scenario, micro_batch_size):
+def _step_config(scenario, micro_batch_size, max_tokens=0):
     from megatron_rlcorr.config import RolloutCorrectionConfig
     from megatron_rlcorr.training.losses import LossConfig
     from megatron_rlcorr.training.step import StepConfig
 
     spec = SCENARIOS[scenario]
     return StepConfig(loss=LossConfig(**spec["loss"]), correction=RolloutCorrectionConfig(**spec["correction"]),
-                      micro_batch_size=micro_batch_size, temperature=TEMPERATURE)
+                      micro_batch_size=micro_batch_size, temperature=TEMPERATURE,
+                      max_tokens_per_micro_batch=max_tokens)
 
 
 def _torch_step(cfg, weights, data, step_cfg):
@@ -179,8 +185,9 @@ def _export_grads(chunks, groups):
     return grads
 
 
-def _train_worker(rank, world, tp, pp, cp, runs, batches):
-    """For each (scenario, micro_batch_size): fresh model, one train_minibatch, results."""
+def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None):
+    """For each (scenario, micro_batch_size[, max_tokens]): fresh model, one train_minibatch,
+    results (max_tokens > 0: packed micro-batches of that many tokens per rank)."""
     hide_gpus()
     from megatron_rlcorr.model.config import ModelConfig
     from megatron_rlcorr.model.weights import export_full_weights
@@ -191,18 +198,19 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches):
     from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs, train_minibatch
 
     enable_cpu_megatron()
-    groups = build_parallel_groups(tp, pp, cp)
+    groups = build_parallel_groups(tp, pp, cp, vpp)
     rows = slice(groups.dp_rank * BATCH // groups.dp_size, (groups.dp_rank + 1) * BATCH // groups.dp_size)
     results = []
-    for scenario, mbs in runs:
+    for scenario, mbs, *packed in runs:
+        max_tokens = packed[0] if packed else 0
         chunks, optimizer, scheduler = build_model_and_optimizer(ModelConfig(**CFG), OptimSettings(**OPTIM), groups,
                                                                  seed=SEED, total_steps=4)
         batch = StepBatch(**{k: v[rows] for k, v in batches[scenario].items()})
-        cfg = _step_config(scenario, mbs)
+        cfg = _step_config(scenario, mbs, max_tokens)
         old = None
         if not cfg.correction.bypass_mode:
             old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=mbs,
-                                        temperature=cfg.temperature)
+                                        temperature=cfg.temperature, max_tokens_per_micro_batch=max_tokens)
         result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
         results.append(dict(scenario=scenario, dp_rank=groups.dp_rank, old=old, metrics=result.metrics,
                             update_successful=result.update_successful, grads=_export_grads(chunks, groups),
@@ -256,16 +264,61 @@ def _check_old_log_probs(results, ref, scenario, dp_size):
     torch.testing.assert_close(old[mask], ref["refs"][scenario]["old"][mask], rtol=0, atol=2e-5)
 
 
+SINGLE_PROCESS_RUNS = [("dec_ppo_tok", 1), ("dec_ppo_tok", 4), ("dec_pg_stm", 4), ("byp_ppo_sts", 1), ("byp_pg_stm", 8),
+                       ("byp_ppo_veto", 4), ("dec_ppo_tok", 1, 16), ("byp_ppo_veto", 1, 12), ("dec_pg_stm", 1, 40),
+                       ("byp_pg_stm", 1, 200)]
+
+
 def test_single_process_micro_batch_size_independent(references):
-    """mbs 1, 4 and 8 on one process give the reference's gradient (every scenario but bypass
-    policy gradient, whose per-micro-batch correction metrics differ by design)."""
-    runs = [("dec_ppo_tok", 1), ("dec_ppo_tok", 4), ("dec_pg_stm", 4), ("byp_ppo_sts", 1), ("byp_pg_stm", 8),
-            ("byp_ppo_veto", 4)]
+    """mbs 1, 4 and 8, and packed micro-batches, on one process give the reference's gradient
+    (bypass policy gradient, whose correction metrics are per micro-batch by design, with one)."""
+    runs = SINGLE_PROCESS_RUNS
     results = run_distributed(_train_worker, 1, 1, 1, 1, runs, references["batches"])[0]
-    for (scenario, mbs), result in zip(runs, results):
-        _assert_matches(result, references["refs"][scenario], f"1 process {scenario} mbs={mbs}")
+    for run, result in zip(runs, results):
+        _assert_matches(result, references["refs"][run[0]], f"1 process {run}")
+        _assert_padding_fraction(result, references, run, cp=1, pp=1, dp=1)
     torch.testing.assert_close(results[0]["grads"]["embed.weight"], results[1]["grads"]["embed.weight"],
                                rtol=1e-5, atol=1e-8)
+
+
+def _lengths(references, scenario):
+    from megatron_rlcorr.training.microbatches import sequence_lengths
+
+    return sequence_lengths(references["batches"][scenario]["response_mask_BT"]).tolist()
+
+
+def _assert_padding_fraction(result, references, run, *, cp, pp, dp):
+    """Padded: B x T_pad computed; packed without pipelining: each sequence rounded up to 2*cp."""
+    from megatron_rlcorr.training.microbatches import round_up
+
+    lengths = _lengths(references, run[0])
+    multiple = 2 * cp if cp > 1 else 1
+    padded = BATCH * round_up(SEQ, multiple) / sum(lengths) - 1
+    packed = sum(round_up(n, multiple) for n in lengths) / sum(lengths) - 1
+    got = float(result["metrics"]["batch/padding_fraction"])
+    if len(run) < 3:
+        assert got == pytest.approx(padded, rel=1e-6), run
+    elif pp == 1:
+        assert got == pytest.approx(packed, rel=1e-6), run
+    else:  # every micro-batch as long as the longest
+        assert packed - 1e-6 <= got < padded, run
+
+
+def test_packed_runs_make_several_micro_batches(references):
+    """The budgets of the packed runs above cut every rank's sequences into several micro-batches."""
+    from megatron_rlcorr.training.microbatches import fewest_bins, round_up
+
+    layouts = {"1": ((1, 1, 1, 1), SINGLE_PROCESS_RUNS), **LAYOUTS}
+    for name, ((tp, pp, cp, world), runs) in layouts.items():
+        dp = world // (tp * pp * cp)
+        for scenario, _, *budget in runs:
+            if not budget or budget[0] >= 200:
+                continue
+            lengths = _lengths(references, scenario)
+            multiple = 2 * cp if cp > 1 else 1
+            for d in range(dp):
+                mine = [round_up(n, multiple) for n in lengths[d * BATCH // dp:(d + 1) * BATCH // dp]]
+                assert fewest_bins(mine, budget[0] * cp) >= 2, (name, scenario, d)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -273,11 +326,13 @@ def test_layout_matches_single_process(layout, references):
     (tp, pp, cp, world), runs = LAYOUTS[layout]
     all_results = run_distributed(_train_worker, world, tp, pp, cp, runs, references["batches"])
     dp_size = world // (tp * pp * cp)
-    for i, (scenario, mbs) in enumerate(runs):
+    for i, run in enumerate(runs):
+        scenario = run[0]
         results = [rank_results[i] for rank_results in all_results]
         ref = references["refs"][scenario]
         for rank, result in enumerate(results):
-            _assert_matches(result, ref, f"{layout} rank {rank} {scenario} mbs={mbs}")
+            _assert_matches(result, ref, f"{layout} rank {rank} {run}")
+            _assert_padding_fraction(result, references, run, cp=cp, pp=pp, dp=dp_size)
         _check_old_log_probs(results, references, scenario, dp_size)
         if scenario == "all_rejected":
             _assert_all_rejected(results, references["weights"])
@@ -406,3 +461,43 @@ def test_decoupled_correction_is_once_per_step_and_sliced_into_mini_batches(refe
     own = compute_rollout_correction(old[mb_rows], data["rollout_log_probs_BT"][mb_rows], data["response_mask_BT"][mb_rows],
                                      step_cfg.correction)
     assert not torch.allclose(own.is_weights, whole.is_weights[mb_rows], rtol=1e-3)
+
+
+# ---- FP8 alignment ----------------------------------------------------------------------------------
+
+def _aligned_worker(rank, world, runs, batches, alignment):
+    """_train_worker with the model's sequence multiple forced to `alignment` (what an FP8 model's
+    TransformerConfig gives: microbatches.sequence_multiple), recording the token count of every
+    model input of both passes."""
+    hide_gpus()
+    from megatron_rlcorr.training import step
+
+    step.sequence_multiple = lambda config: alignment
+    seen = []
+    import megatron.core.models.gpt.gpt_model as gpt_model
+
+    forward = gpt_model.GPTModel.forward
+
+    def recording_forward(self, input_ids, *args, **kwargs):
+        seen.append(tuple(input_ids.shape))
+        return forward(self, input_ids, *args, **kwargs)
+
+    gpt_model.GPTModel.forward = recording_forward
+    results = _train_worker(rank, world, 1, 1, 1, runs, batches)
+    return results, seen
+
+
+def test_fp8_alignment_pads_the_old_log_prob_pass_and_the_step(references):
+    """Every micro-batch of both passes, padded and packed, reaches the model with a token count
+    that is a multiple of 16 (Transformer Engine's FP8 GEMMs), and the results do not change."""
+    runs = [("dec_ppo_tok", 2), ("dec_pg_stm", 1, 40)]
+    results, seen = run_distributed(_aligned_worker, 1, runs, references["batches"], 16)[0]
+    # padded: 4 micro-batches per pass; packed: 16-token sequences, two per 40-token micro-batch: 4
+    assert len(seen) == 2 * 4 + 2 * 4
+    for shape in seen:
+        assert shape[-1] % 16 == 0, shape
+    for run, result in zip(runs, results):
+        _assert_matches(result, references["refs"][run[0]], f"aligned to 16 {run}")
+    olds = [r["old"] for r in results]
+    mask = references["batches"]["dec_ppo_tok"]["response_mask_BT"] > 0
+    torch.testing.assert_close(olds[0][mask], references["refs"]["dec_ppo_tok"]["old"][mask], rtol=0, atol=2e-5)

@@ -104,10 +104,11 @@ def test_cp_pad_multiple():
     assert cp_pad_multiple(1) == 1
     assert cp_pad_multiple(2) == 4
     assert cp_pad_multiple(4) == 8
-    assert cp_pad_multiple(1, fp8=True) == 16
-    assert cp_pad_multiple(2, fp8=True) == 32          # each rank's share (L/2) a multiple of 16
+    assert cp_pad_multiple(1, token_alignment=16) == 16
+    assert cp_pad_multiple(2, token_alignment=16) == 32   # each rank's share (L/2) a multiple of 16
+    assert cp_pad_multiple(2, token_alignment=32) == 64   # MXFP8
     assert cp_pad_multiple(2, tp_size=4, sequence_parallel=True) == 8
-    assert cp_pad_multiple(2, tp_size=3, sequence_parallel=True, fp8=True) == 96
+    assert cp_pad_multiple(2, tp_size=3, sequence_parallel=True, token_alignment=16) == 96
     assert cp_pad_multiple(4, tp_size=2) == 8          # no sequence parallelism: TP does not split tokens
 
 

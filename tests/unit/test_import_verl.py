@@ -71,7 +71,8 @@ def test_dapo_script_resolves_the_shell_and_maps_every_section(dapo):
                             "loss_agg_mode": "token-mean", "entropy_coeff": 0.0}
     assert tree["optim"] == {"lr": 1e-6, "warmup_steps": 10, "weight_decay": 0.1, "clip_grad": 1.0}
     # ppo_mini_batch_size=$((train_prompt_bsz / 16)) with train_prompt_bsz=512
-    assert tree["trainer"] == {"steps": 200, "mini_batch_prompts": 32, "save_every": 5}
+    assert tree["trainer"] == {"steps": 200, "mini_batch_prompts": 32, "max_tokens_per_micro_batch": 45056,
+                               "save_every": 5}
 
 
 def test_dapo_rollout_correction_block_is_the_scripts(dapo):
@@ -107,8 +108,10 @@ def test_dapo_report_lists(dapo):
     }
     assert "micro-batch" in differs["actor_rollout_ref.actor.loss_agg_mode"]
     unmapped = _reasons(dapo.unmapped)
-    assert "later release" in unmapped["actor_rollout_ref.actor.use_dynamic_bsz"]
-    assert "later release" in unmapped["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]
+    # verl's dynamic batch size: (2048 + 20480) * 2 tokens per GPU -> packed micro-batches
+    assert mapped["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == ("trainer.max_tokens_per_micro_batch", 45056)
+    assert "packed micro-batches" in unmapped["actor_rollout_ref.actor.use_dynamic_bsz"]
+    assert "pack with the actor's budget" in unmapped["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"]
     assert "later release" in unmapped["actor_rollout_ref.rollout.gpu_memory_utilization"]
     assert "later release" in unmapped["actor_rollout_ref.rollout.tensor_model_parallel_size"]
     assert "keep rate" in unmapped["data.gen_batch_size"]
@@ -128,7 +131,7 @@ def test_dapo_report_lists(dapo):
 
 def test_report_text_has_the_three_lists(dapo):
     text = format_report(dapo)
-    assert "mapped (47):" in text and "meaning differs (3):" in text and f"not mapped ({len(dapo.unmapped)}):" in text
+    assert "mapped (48):" in text and "meaning differs (3):" in text and f"not mapped ({len(dapo.unmapped)}):" in text
     assert "  data.train_batch_size -> data.prompts_per_step = 512" in text
     assert "  actor_rollout_ref.actor.optim.lr -> optim.lr = 1e-06" in text
     assert f"  actor_rollout_ref.actor.loss_agg_mode: {DIFFERENCES['loss_agg_mode']}" in text
@@ -148,12 +151,13 @@ def test_grpo_script_kl_loss_and_fsdp_settings(grpo):
     assert tree["data"]["on_long_prompt"] == "drop"
     assert tree["rollout"] == {"engine": "vllm", "precision": "bf16", "max_new_tokens": 1024, "n": 5}
     assert tree["optim"] == {"lr": 1e-6, "min_lr": 1e-7, "decay_style": "cosine"}
-    assert tree["trainer"] == {"mini_batch_prompts": 256, "micro_batch_size": 8, "save_every": 0}  # $((64 / 8))
+    assert tree["trainer"] == {"mini_batch_prompts": 256, "micro_batch_size": 8, "max_tokens_per_micro_batch": 24000,
+                               "save_every": 0}  # $((64 / 8))
     assert "parallel" not in tree and "steps" not in tree["trainer"]
     unmapped = _reasons(grpo.unmapped)
     assert "Ulysses" in unmapped["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
     assert "FSDP" in unmapped["actor_rollout_ref.actor.fsdp_config.param_offload"]
-    assert "later release" in unmapped["actor_rollout_ref.actor.use_dynamic_bsz"]
+    assert "packed micro-batches" in unmapped["actor_rollout_ref.actor.use_dynamic_bsz"]
     assert "validation" in unmapped["data.val_files"] and "validation" in unmapped["trainer.val_before_train"]
     assert "trainer.steps must be set" in unmapped["trainer.total_epochs"]
     assert "needs trainer.total_training_steps" in unmapped["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"]

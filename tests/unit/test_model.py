@@ -241,3 +241,31 @@ def test_transformer_engine_model_matches_reference_on_gpu():
         assert fp8["finite_grads"], recipe
         # FP8 GEMMs move these logits by ~0.14 on average (measured, H100, random weights).
         assert (fp8["logits"] - out["bf16"]["logits"]).abs().mean() < 0.5, recipe
+
+
+# ---- sequence parallelism ------------------------------------------------------------------------
+
+class _Layout:
+    """What transformer_config reads of ParallelGroups."""
+    tp_size, pp_size, cp_size, vpp_size = 2, 1, 1, None
+
+    def __init__(self, sequence_parallel):
+        self.sequence_parallel = sequence_parallel
+
+
+def test_sequence_parallel_reaches_the_transformer_config(monkeypatch):
+    from megatron_rlcorr.model import build
+
+    monkeypatch.setattr(build, "use_transformer_engine", lambda: True)  # TE's norms split the sequence
+    cfg = ModelConfig(**TE_CFG)
+    assert build.transformer_config(cfg, _Layout(True)).sequence_parallel is True
+    assert build.transformer_config(cfg, _Layout(False)).sequence_parallel is False
+
+
+def test_sequence_parallel_without_transformer_engine_is_a_clear_error(monkeypatch):
+    from megatron_rlcorr.model import build
+
+    monkeypatch.setattr(build, "use_transformer_engine", lambda: False)
+    cfg = ModelConfig(**TE_CFG)
+    with pytest.raises(ValueError, match="parallel.sequence_parallel needs Transformer Engine"):
+        build.transformer_config(cfg, _Layout(True))

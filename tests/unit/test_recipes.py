@@ -63,6 +63,9 @@ BAD = [
     (["algorithm.rollout_correction.use_policy_gradient=true"], "requires bypass_mode=True"),
     (["algorithm.kl_loss.type=k4"], "algorithm.kl_loss.type must be one of"),
     (["algorithm.loss.loss_agg_mode=seq-mean-token-sum-nrom"], 'did you mean "seq-mean-token-sum-norm"'),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel needs Transformer Engine"),
+    (["trainer.timeout_minutes=0"], "trainer: timeout_minutes must be >= 1"),
+    (["trainer.max_tokens_per_micro_batch=-1"], "max_tokens_per_micro_batch must be >= 0"),
 ]
 
 
@@ -124,6 +127,25 @@ def test_bypass_pg_batch_norm_needs_one_micro_batch_per_rank():
     assert load_recipe(TINY, overrides[:2] + ["trainer.micro_batch_size=64"]).check_layout(2) == 2
     relaxed = overrides + ["algorithm.rollout_correction.rollout_is_batch_normalize=false"]
     assert load_recipe(TINY, relaxed).check_layout(2) == 2
+    packed = overrides[:2] + ["trainer.micro_batch_size=64", "trainer.max_tokens_per_micro_batch=512"]
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch: 0"):
+        load_recipe(TINY, packed).check_layout(2)
+
+
+def test_token_budget_must_hold_the_longest_possible_sequence():
+    import dataclasses
+
+    def with_prompt_limit(overrides, limit):
+        recipe = load_recipe(TINY, overrides)
+        return dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_prompt_length=limit))
+
+    # 8-token prompts + 4 new tokens: 12 per rank; under cp2 padded to 12 (a multiple of 4), 6 per rank
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=10 cannot hold.*at least 12"):
+        with_prompt_limit(["trainer.max_tokens_per_micro_batch=10"], 8).check_layout(2)
+    assert with_prompt_limit(["trainer.max_tokens_per_micro_batch=12"], 8).check_layout(2) == 2
+    assert with_prompt_limit(["trainer.max_tokens_per_micro_batch=6", "parallel.cp=2"], 8).check_layout(2) == 1
+    # packing replaces micro_batch_size: it need not divide the sequences per rank any more
+    assert load_recipe(TINY, ["trainer.max_tokens_per_micro_batch=64", "trainer.micro_batch_size=7"]).check_layout(2)
 
 
 def test_other_ranks_report_a_bad_recipe_after_rank_0_had_time_to(monkeypatch, capsys):
