@@ -17,6 +17,8 @@ setup(
         "tokenizers>=0.21",
         "transformers>=4.56,<6",
         "pyarrow>=15",
+        # Megatron-Core's checkpoint writer (dist_checkpointing filesystem_async) imports it.
+        "psutil>=5.9",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],

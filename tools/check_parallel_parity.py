@@ -175,7 +175,7 @@ def run_worker(args) -> None:
     from megatron_rlcorr.training.optimizer import build_model_and_optimizer
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
-    from megatron_rlcorr.training.optimizer import OptimSettings
+    from megatron_rlcorr.training.optimizer import OptimSettings, sync_params
     from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs, train_minibatch
 
     torch.set_num_threads(1)
@@ -184,8 +184,8 @@ def run_worker(args) -> None:
     layout = parse_layout(args.layout)
     groups = build_parallel_groups(layout["tp"], layout["pp"], layout["cp"], layout["vpp"])
     model_cfg = ModelConfig(**json.loads(args.model))
-    chunks, optimizer, scheduler = build_model_and_optimizer(model_cfg, OptimSettings(**OPTIM), groups, seed=SEED,
-                                                             total_steps=args.steps)
+    chunks, optimizer, scheduler = build_model_and_optimizer(model_cfg, OptimSettings(**OPTIM, **json.loads(args.optim)),
+                                                             groups, seed=SEED, total_steps=args.steps)
     init_weights = init_full_weights(model_cfg, SEED)
     per_rank = BATCH // groups.dp_size
     rows = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
@@ -201,6 +201,7 @@ def run_worker(args) -> None:
                                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
         history.append({k: float(v) for k, v in result.metrics.items()})
+    sync_params(chunks)
     weights = export_full_weights(chunks, groups)
     if dist.get_rank() == 0:
         torch.save({"history": history, "weights": weights}, args.out)
@@ -209,12 +210,12 @@ def run_worker(args) -> None:
 
 # ---- driver ---------------------------------------------------------------------------------------
 
-def launch(name: str, layout: dict, args, out: Path, mbs: int, max_tokens: int = 0) -> str | None:
+def launch(name: str, layout: dict, args, out: Path, mbs: int, max_tokens: int = 0, optim: str = "{}") -> str | None:
     """Run the worker for one layout; None on success, else the tail of its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size(layout)}",
            str(Path(__file__).resolve()), "--worker", "--layout", name, "--out", str(out), "--steps", str(args.steps),
            "--mode", args.mode, "--loss", args.loss, "--agg", args.agg, "--mbs", str(mbs),
-           "--max-tokens", str(max_tokens), "--model", args.model]
+           "--max-tokens", str(max_tokens), "--model", args.model, "--optim", optim]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -248,6 +249,11 @@ def main(argv=None) -> int:
     parser.add_argument("--packed", action="store_true",
                         help="layouts train on packed micro-batches (THD) of ~2.5 sequences' tokens per rank; the "
                              "reference stays padded")
+    parser.add_argument("--overlap", action="store_true",
+                        help="layouts overlap the gradient reduce-scatter and the weight all-gather of the "
+                             "distributed optimizer (optim.overlap_grad_reduce / overlap_param_gather)")
+    parser.add_argument("--no-distributed-optimizer", action="store_true",
+                        help="layouts use Megatron's plain (replicated) Adam instead of the distributed optimizer")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per layout")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
@@ -255,6 +261,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mbs", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--optim", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
@@ -273,9 +280,14 @@ def main(argv=None) -> int:
     if args.packed and args.mode == "bypass" and args.loss == "pg":
         parser.error("--packed with --mode bypass --loss pg: bypass policy gradient corrects per micro-batch, so its "
                      "metrics follow the packing; compare it padded")
+    if args.overlap and args.no_distributed_optimizer:
+        parser.error("--overlap overlaps the distributed optimizer's gathers: drop --no-distributed-optimizer")
+    optim = (dict(overlap_grad_reduce=True, overlap_param_gather=True) if args.overlap else
+             dict(use_distributed_optimizer=False) if args.no_distributed_optimizer else {})
     model = tiny_model([*layouts.values(), parse_layout("tp1")])
     args.model = json.dumps(model)
     print(f"mode={args.mode} loss={args.loss} agg={args.agg} steps={args.steps}{' packed' if args.packed else ''} "
+          f"optimizer: {optim or 'distributed'} "
           f"(fp32, CPU/gloo); model: {model['num_layers']} layers, {model['num_attention_heads']} heads, "
           f"{model['num_query_groups']} query groups, hidden {model['hidden_size']}")
     failed = False
@@ -296,7 +308,7 @@ def main(argv=None) -> int:
                     return 1
                 refs[ref_mbs] = torch.load(ref_out, weights_only=False)
             ref = refs[ref_mbs]
-            error = launch(name, layout, args, out, mbs, packed_budget(layout) if args.packed else 0)
+            error = launch(name, layout, args, out, mbs, packed_budget(layout) if args.packed else 0, json.dumps(optim))
             if error:
                 failed = True
                 print(f"{name:<12}{world_size(layout):>6}  ERROR\n{error}")

@@ -30,12 +30,21 @@ distributed optimizer, every patch below is hit, and the run fails without it:
    need CUDA: torch's Adam and Megatron's own multi-tensor functions replace them (a no-op where
    Transformer Engine is absent, as on the CPU machines). The model side avoids TE's norm in
    model/build.py.
+9. Activation recomputation (`tensor_parallel.checkpoint`, `CheckpointWithoutOutput`) saves and
+   restores the CPU generator, the CUDA generator and the tracker's states around the recomputed
+   forward; there is no CUDA generator here, so its get/set become an empty state / a no-op (the
+   CPU generator and our tracker, whose states are CPU generator states, are still restored, so
+   dropout masks repeat exactly). The recomputed forward runs inside the autograd engine, where
+   the thread-local torch function mode of 2. is not active: it is re-entered there.
+10. Selective recomputation of "layernorm" without Transformer Engine: megatron-core 0.16.1's
+   `CheckpointWithoutOutput(fp8=False)` sets `self.fp8 = fp8 is not None` (True) and then calls
+   TE's FP8 state manager, a NameError without TE; without TE there is no FP8 context to save.
 
 Everything here is process-global and only ever installed when `torch.cuda.is_available()` is
 False, so GPU runs execute Megatron-Core unmodified. The torch function mode is thread-local:
 call `enable_cpu_megatron()` in the thread that runs the model (the main thread).
-Not covered (not needed on CPU): CUDA graphs, activation recomputation (its RNG handling),
-sequence parallelism (torch norms reject it), Transformer Engine and apex fused kernels.
+Not covered (not needed on CPU): CUDA graphs, sequence parallelism (torch norms reject it),
+Transformer Engine and apex fused kernels.
 """
 from __future__ import annotations
 
@@ -62,6 +71,7 @@ def enable_cpu_megatron() -> bool:
         _CudaToCpuMode().__enter__()  # stays on the mode stack for the life of the thread
         _install_cpu_rng_tracker()
         _use_torch_optimizer_kernels()
+        _recompute_on_cpu()
         _enabled = True
     return True
 
@@ -166,3 +176,33 @@ def _use_torch_optimizer_kernels() -> None:
     megatron_optimizer.multi_tensor_applier, megatron_optimizer.multi_tensor_scale_impl = applier, scale
     clip_grads.multi_tensor_applier, clip_grads.multi_tensor_scale_impl = applier, scale
     clip_grads.l2_norm_impl = megatron_utils.local_multi_tensor_l2_norm
+
+
+def _recompute_on_cpu() -> None:
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    # Module globals: _get_all_rng_states / _set_all_rng_states look them up at call time.
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+    checkpoint_backward = megatron_random.CheckpointFunction.backward
+
+    def backward(ctx, *grads):
+        with _CudaToCpuMode():
+            return checkpoint_backward(ctx, *grads)
+
+    # autograd looks the backward up on the Function class when it runs it.
+    megatron_random.CheckpointFunction.backward = staticmethod(backward)
+
+    without_output = megatron_random.CheckpointWithoutOutput
+    recompute, init = without_output._recompute, without_output.__init__
+
+    def _recompute(self, *args):
+        with _CudaToCpuMode():
+            return recompute(self, *args)
+
+    def __init__(self, fp8=False):
+        init(self, fp8)
+        self.fp8 = self.fp8 and hasattr(megatron_random, "FP8GlobalStateManager")
+
+    without_output._recompute, without_output.__init__ = _recompute, __init__

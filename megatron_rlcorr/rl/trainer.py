@@ -35,7 +35,7 @@ from ..parallel.groups import ParallelGroups
 from ..parallel.layout import ParallelSettings
 from ..rollout import RolloutConfig, make_engine
 from ..training import checkpoint
-from ..training.optimizer import OptimSettings, build_model_and_optimizer
+from ..training.optimizer import OptimSettings, build_model_and_optimizer, sync_params
 from ..training.reference import ReferencePolicy
 from ..training.step import (StepBatch, StepConfig, StepCorrection, StepResult, broadcast_from_last_stage,
                              compute_old_log_probs, step_correction, train_minibatch)
@@ -274,6 +274,7 @@ class Trainer:
 
     def _push_weights(self) -> None:
         """Collective over TP and PP (every rank calls it); only rollout sources keep the result."""
+        sync_params(self.model)
         weights = export_full_weights(self.model, self.groups)
         if self.engine is not None:
             self.engine.load_weights(weights)

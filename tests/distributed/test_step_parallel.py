@@ -171,9 +171,12 @@ def _torch_step(cfg, weights, data, step_cfg):
 
 
 def _export_grads(chunks, groups):
-    """Full gradients (DDP main_grad buffers) in neutral names, through export_full_weights."""
+    """Full gradients (DDP main_grad buffers) in neutral names, through export_full_weights.
+    The distributed optimizer leaves each DP x CP rank only its reduced shard of the buffers:
+    they are all-gathered first (as DDP gathers the weights)."""
     from megatron_rlcorr.model.weights import export_full_weights
 
+    _gather_grad_shards(chunks, groups)
     params = [p for chunk in chunks for p in chunk.parameters()]
     saved = [p.data.clone() for p in params]
     with torch.no_grad():
@@ -185,7 +188,21 @@ def _export_grads(chunks, groups):
     return grads
 
 
-def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None):
+def _gather_grad_shards(chunks, groups):
+    import torch.distributed as dist
+
+    size, me = dist.get_world_size(groups.dp_cp), dist.get_rank(groups.dp_cp)
+    for chunk in chunks:
+        if not chunk.ddp_config.use_distributed_optimizer or size == 1:
+            continue
+        for buffer in chunk.buffers:
+            for bucket in buffer.buckets:
+                shards = list(bucket.grad_data.view(size, -1).unbind(0))
+                mine = shards[me].clone()
+                dist.all_gather(shards, mine, group=groups.dp_cp)
+
+
+def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None, optim=None, recompute=None):
     """For each (scenario, micro_batch_size[, max_tokens]): fresh model, one train_minibatch,
     results (max_tokens > 0: packed micro-batches of that many tokens per rank)."""
     hide_gpus()
@@ -194,7 +211,7 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None):
     from megatron_rlcorr.training.optimizer import build_model_and_optimizer
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
-    from megatron_rlcorr.training.optimizer import OptimSettings
+    from megatron_rlcorr.training.optimizer import OptimSettings, sync_params
     from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs, train_minibatch
 
     enable_cpu_megatron()
@@ -203,8 +220,9 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None):
     results = []
     for scenario, mbs, *packed in runs:
         max_tokens = packed[0] if packed else 0
-        chunks, optimizer, scheduler = build_model_and_optimizer(ModelConfig(**CFG), OptimSettings(**OPTIM), groups,
-                                                                 seed=SEED, total_steps=4)
+        model_cfg = ModelConfig(**CFG, recompute=recompute)
+        chunks, optimizer, scheduler = build_model_and_optimizer(model_cfg, OptimSettings(**OPTIM, **(optim or {})),
+                                                                 groups, seed=SEED, total_steps=4)
         batch = StepBatch(**{k: v[rows] for k, v in batches[scenario].items()})
         cfg = _step_config(scenario, mbs, max_tokens)
         old = None
@@ -212,9 +230,12 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None):
             old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=mbs,
                                         temperature=cfg.temperature, max_tokens_per_micro_batch=max_tokens)
         result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        unsynced = export_full_weights(chunks, groups)
+        sync_params(chunks)
         results.append(dict(scenario=scenario, dp_rank=groups.dp_rank, old=old, metrics=result.metrics,
                             update_successful=result.update_successful, grads=_export_grads(chunks, groups),
-                            after=export_full_weights(chunks, groups)))
+                            after=export_full_weights(chunks, groups), unsynced=unsynced,
+                            recompute=chunks[0].config.recompute_granularity))
     return results
 
 
@@ -339,6 +360,58 @@ def test_layout_matches_single_process(layout, references):
         if scenario == "byp_ppo_veto_adv":  # other advantages on the vetoed rows: byp_ppo_veto's gradient
             for rank, result in enumerate(results):
                 _assert_matches(result, references["refs"]["byp_ppo_veto"], f"{layout} rank {rank} vetoed rows")
+
+
+# Megatron-Core's distributed optimizer (on by default, so LAYOUTS above run it) without it, and
+# with gradient-reduce / weight-gather overlap: (tp, pp, cp, world), runs, optim settings.
+OPTIMIZER_LAYOUTS = {
+    "dp2_plain_adam": ((1, 1, 1, 2), [("dec_pg_stm", 2), ("byp_ppo_sts", 1, 12)],
+                       dict(use_distributed_optimizer=False)),
+    "dp2_overlap": ((1, 1, 1, 2), [("dec_pg_stm", 2), ("byp_ppo_sts", 1, 12)],
+                    dict(overlap_grad_reduce=True, overlap_param_gather=True)),
+    "pp2dp2_overlap": ((1, 2, 1, 4), [("dec_ppo_tok", 1), ("dec_pg_stm", 1, 16)],
+                       dict(overlap_grad_reduce=True, overlap_param_gather=True)),
+    "tp2cp2_overlap_grads": ((2, 1, 2, 4), [("byp_ppo_sts", 2)], dict(overlap_grad_reduce=True)),
+}
+
+
+@pytest.mark.parametrize("layout", list(OPTIMIZER_LAYOUTS))
+def test_optimizer_settings_match_single_process(layout, references):
+    """Gradients, grad norm and the weights after Adam equal the reference with and without the
+    distributed optimizer and overlap. With overlap_param_gather the model's weights are stale
+    until sync_params (or the next forward) gathers them."""
+    (tp, pp, cp, world), runs, optim = OPTIMIZER_LAYOUTS[layout]
+    all_results = run_distributed(_train_worker, world, tp, pp, cp, runs, references["batches"], None, optim)
+    for i, run in enumerate(runs):
+        for rank, rank_results in enumerate(all_results):
+            result = rank_results[i]
+            _assert_matches(result, references["refs"][run[0]], f"{layout} rank {rank} {run}")
+            stale = max(float((result["unsynced"][k] - result["after"][k]).abs().max()) for k in result["after"])
+            if optim.get("overlap_param_gather"):
+                assert stale > 1e-4, "the weights were current before sync_params: nothing was deferred"
+            else:
+                assert stale == 0.0
+
+
+# Activation recomputation (model.recompute) on the CPU path: (tp, pp, cp, world), runs, settings.
+RECOMPUTE_LAYOUTS = {
+    "tp2_full_uniform": ((2, 1, 1, 2), [("dec_ppo_tok", 2), ("byp_ppo_sts", 1, 20)],
+                         dict(granularity="full", method="uniform", num_layers=1)),
+    "pp2_full_block": ((1, 2, 1, 2), [("dec_pg_stm", 2)], dict(granularity="full", method="block", num_layers=1)),
+    "cp2_selective_all": ((1, 1, 2, 2), [("dec_ppo_tok", 1, 10)],
+                          dict(granularity="selective", modules=("core_attn", "mlp", "layernorm"))),
+}
+
+
+@pytest.mark.parametrize("layout", list(RECOMPUTE_LAYOUTS))
+def test_recompute_matches_single_process(layout, references):
+    """Recomputed activations give the reference's loss, gradients and weights."""
+    (tp, pp, cp, world), runs, recompute = RECOMPUTE_LAYOUTS[layout]
+    all_results = run_distributed(_train_worker, world, tp, pp, cp, runs, references["batches"], None, None, recompute)
+    for i, run in enumerate(runs):
+        for rank, rank_results in enumerate(all_results):
+            assert rank_results[i]["recompute"] == recompute["granularity"]
+            _assert_matches(rank_results[i], references["refs"][run[0]], f"{layout} rank {rank} {run}")
 
 
 def test_bypass_ppo_veto_reference(references):
