@@ -75,7 +75,7 @@ def export_model(source: ModelSource, recipe: Recipe, groups, out: str | Path, d
     from .model.hf import export_hf
 
     chunks = build_model_chunks(recipe.model, groups, seed=recipe.trainer.seed, init_weights=source.kind == "hf")
-    load_source_weights(source, chunks)
+    load_source_weights(source, chunks, groups)
     return export_hf(chunks, groups, out, recipe.model, dtype=dtype, tokenizer_dir=recipe.data.tokenizer)
 
 

@@ -82,7 +82,7 @@ def score_records(source: ModelSource, recipe: Recipe, records: list[RolloutReco
     from .model.build import build_model_chunks
 
     chunks = build_model_chunks(recipe.model, groups, seed=recipe.trainer.seed, init_weights=source.kind == "hf")
-    load_source_weights(source, chunks)
+    load_source_weights(source, chunks, groups)
     mine = sorted(range(groups.dp_rank, len(records), groups.dp_size), key=lambda i: _length(records[i]))
     per_call = recipe.trainer.micro_batch_size * groups.pp_size
     local: dict[int, list[float]] = {}

@@ -29,7 +29,8 @@ def load_and_check(config: str, overrides: list[str], world_size: int) -> Recipe
     recipe = load_recipe(config, overrides)
     recipe.check_layout(world_size)
     if recipe.trainer.resume:
-        check_resumable(recipe.run_dir, recipe.parallel.layout(world_size))
+        check_resumable(recipe.run_dir, recipe.parallel.layout(world_size),
+                        distributed_optimizer=recipe.optim.use_distributed_optimizer)
     return recipe
 
 

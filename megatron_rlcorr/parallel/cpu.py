@@ -39,6 +39,14 @@ distributed optimizer, every patch below is hit, and the run fails without it:
 10. Selective recomputation of "layernorm" without Transformer Engine: megatron-core 0.16.1's
    `CheckpointWithoutOutput(fp8=False)` sets `self.fp8 = fp8 is not None` (True) and then calls
    TE's FP8 state manager, a NameError without TE; without TE there is no FP8 context to save.
+11. Loading the distributed optimizer's `fully_reshardable` checkpoint state into torch's Adam
+   (8.): torch's Adam keeps a per-parameter "step" tensor that this format does not carry per
+   parameter (the optimizer's load_state_dict restores it from the common state first), and
+   `_set_main_param_and_optimizer_states` fails with KeyError 'step'. It copies the tensors the
+   checkpoint has and leaves "step" as restored. And that restore gives every parameter the
+   same step tensor object, which torch's Adam then increments once per parameter per update
+   (measured: 17 parameters, step 2 -> 19 after one update, and the resumed weights drifted
+   2e-3 from the uninterrupted run): each parameter gets its own copy after the load.
 
 Everything here is process-global and only ever installed when `torch.cuda.is_available()` is
 False, so GPU runs execute Megatron-Core unmodified. The torch function mode is thread-local:
@@ -176,6 +184,28 @@ def _use_torch_optimizer_kernels() -> None:
     megatron_optimizer.multi_tensor_applier, megatron_optimizer.multi_tensor_scale_impl = applier, scale
     clip_grads.multi_tensor_applier, clip_grads.multi_tensor_scale_impl = applier, scale
     clip_grads.l2_norm_impl = megatron_utils.local_multi_tensor_l2_norm
+
+    set_states = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}  # copied onto itself
+        return set_states(self, model_param, tensors)
+
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    load_state_dict = distrib_optimizer.DistributedOptimizer.load_state_dict
+
+    def _load_state_dict(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    distrib_optimizer.DistributedOptimizer.load_state_dict = _load_state_dict
 
 
 def _recompute_on_cpu() -> None:

@@ -5,8 +5,9 @@ SRC is one of
   under any parallel layout (`model.hf_checkpoint`), each rank reading only its shards;
 - a run directory (`runs/<name>`, written by `train`): its latest checkpoint;
 - one checkpoint of a run (`runs/<name>/checkpoints/step_N`).
-Run checkpoints are per rank today (training/checkpoint.py): they load on the layout that wrote
-them, which `checkpoint_layout` gives; another layout is refused with the fix named.
+A run checkpoint (Megatron-Core's distributed format, training/checkpoint.py) loads under any
+parallel layout; a per-rank one from before that format loads on the layout that wrote it, which
+`checkpoint_layout` gives, and another layout is refused with the fix named.
 
 The recipe: for a Hugging Face SRC, the model section holds `hf_checkpoint: SRC` plus the
 non-architecture keys of `--config`'s model section (precision, FP8, ...), so a recipe written
@@ -20,7 +21,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import yaml
 
@@ -29,6 +30,9 @@ from ..model.hf import CONFIG_FILE
 from ..training import checkpoint
 from .recipe import Recipe, parse_recipe
 from .tree import apply_overrides, read_tree
+
+if TYPE_CHECKING:
+    from ..parallel.groups import ParallelGroups
 
 _ARCHITECTURE_KEYS = {f.name for f in dataclasses.fields(DecoderShape)} | {"max_position_embeddings"}
 _SRC_KINDS = ("a Hugging Face checkpoint directory (with config.json), a run directory (runs/<name>, "
@@ -92,7 +96,9 @@ def _run_tree(run_dir: Path) -> dict[str, Any]:
 
 
 def check_source_layout(source: ModelSource, recipe: Recipe, world_size: int) -> None:
-    """A run checkpoint loads only on the layout that wrote it (per-rank checkpoints)."""
+    """A per-rank run checkpoint loads only on the layout that wrote it (distributed ones anywhere)."""
+    if source.kind != "checkpoint" or not checkpoint.is_legacy(source.checkpoint_dir):
+        return
     saved = checkpoint_layout(source)
     if saved is not None and saved != recipe.parallel.layout(world_size):
         wanted = " ".join(f"{k}={v}" for k, v in saved.items())
@@ -101,11 +107,14 @@ def check_source_layout(source: ModelSource, recipe: Recipe, world_size: int) ->
                          "no parallel.* overrides, or export it to Hugging Face format first and use that")
 
 
-def load_source_weights(source: ModelSource, model_chunks: list[Any]) -> None:
+def load_source_weights(source: ModelSource, model_chunks: list[Any], groups: ParallelGroups) -> None:
     """Put a run checkpoint's weights into this rank's chunks (a Hugging Face source's weights are
     read when the chunks are built, from model.hf_checkpoint)."""
     if source.kind != "checkpoint":
         return
-    state = checkpoint.load(source.path, source.step)
+    if not checkpoint.is_legacy(source.checkpoint_dir):
+        checkpoint.load_model(source.checkpoint_dir, model_chunks, groups)
+        return
+    state = checkpoint.load_legacy(source.checkpoint_dir)
     for chunk, chunk_state in zip(model_chunks, state["model"], strict=True):
         chunk.load_state_dict(chunk_state)

@@ -47,6 +47,7 @@ class TrainerSettings:
     save_hf: bool = False          # at the end of the run, also write <run_dir>/hf as a Hugging Face checkpoint
     save_hf_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     timeout_minutes: int = 60      # every process group's collective timeout (long generations wait)
+    async_save: bool = False       # write checkpoints from a background process while training goes on
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "ppo_epochs", "log_every", "timeout_minutes"):

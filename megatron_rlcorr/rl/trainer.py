@@ -10,10 +10,12 @@ One step:
 3. `ppo_epochs` passes over the batch in mini-batches, one optimizer step each.
 4. The updated weights are exported (full, neutral names) and loaded into the engine.
 
-Metrics are 0-d tensors until the once-per-step log. Checkpoints are per rank (training/checkpoint.py):
-model chunks, optimizer, scheduler, RNG states, the step and a dataset's read position. Prompt and
-sampling generators are derived from (seed, step, DP rank, round), so a resumed run repeats the
-uninterrupted one exactly. With `trainer.save_hf` the model is also written as a Hugging Face
+Metrics are 0-d tensors until the once-per-step log. Checkpoints are Megatron-Core distributed
+checkpoints (training/checkpoint.py): model, optimizer, scheduler, RNG states, the step and a
+dataset's read position, resumable on any parallel layout (optionally written in the background:
+`trainer.async_save`). Prompt and sampling generators are derived from (seed, step, DP rank,
+round), so a run resumed on its own layout repeats the uninterrupted one exactly; on another
+layout it continues from the same weights and optimizer state. With `trainer.save_hf` the model is also written as a Hugging Face
 checkpoint at the end (model/hf.py).
 """
 from __future__ import annotations
@@ -102,6 +104,7 @@ class Trainer:
         self.reference = (ReferencePolicy(recipe.model, groups, seed=trainer.seed, settings=algo.reference)
                           if algo.uses_reference else None)
         self.kl_controller = KLController(algo.kl_in_reward) if algo.kl_in_reward.enabled else None
+        self.writer = checkpoint.CheckpointWriter(async_save=trainer.async_save)
         self.engine = None
         if is_rollout_source(groups):
             tok = self.task.tokenizer
@@ -124,12 +127,14 @@ class Trainer:
                 exiting = bool(trainer.exit_interval) and step % trainer.exit_interval == 0
                 if step == trainer.steps or exiting or (trainer.save_every and step % trainer.save_every == 0):
                     self.save(step)
+                self.writer.poll()
                 if exiting and step < trainer.steps:
                     if self.rank0:
                         print(f"exit_interval={trainer.exit_interval}: stopping after step {step}; run again "
                               f"to resume from {checkpoint.checkpoint_dir(self.run_dir, step)}", flush=True)
                     break
         finally:
+            self.writer.close()
             logger.close()
         if trainer.save_hf and start < trainer.steps:
             self.save_hf()
@@ -282,18 +287,15 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------------
 
     def save(self, step: int) -> Path:
-        from megatron.core import tensor_parallel
-
-        state = {"step": step, "model": [chunk.state_dict() for chunk in self.model],
-                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "data_position": self.data_position,
-                 "kl_controller": None if self.kl_controller is None else self.kl_controller.state_dict(),
-                 "rng": checkpoint.rng_state(), "tp_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
-                 "recipe": self.recipe.raw}
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.raw, sort_keys=False))
-        return checkpoint.save(self.run_dir, step, state, self._layout())
+        sync_params(self.model)
+        common = {"step": step, "data_position": self.data_position,
+                  "kl_controller": None if self.kl_controller is None else self.kl_controller.state_dict(),
+                  "recipe": self.recipe.raw}
+        return self.writer.save(self.run_dir, step, model_chunks=self.model, optimizer=self.optimizer,
+                                scheduler=self.scheduler, groups=self.groups, common=common, layout=self._layout())
 
     def _layout(self) -> dict:
         return self.recipe.parallel.layout(dist.get_world_size())
@@ -318,24 +320,35 @@ class Trainer:
                 (self.run_dir / "checkpoints" / "latest").unlink()  # a fresh run: never resume the old one
             dist.barrier()
             return 0
-        from megatron.core import tensor_parallel
-
-        checkpoint.check_resumable(self.run_dir, self._layout())
-        state = checkpoint.load(self.run_dir, latest)
-        for chunk, chunk_state in zip(self.model, state["model"]):
-            chunk.load_state_dict(chunk_state)
-        self.optimizer.load_state_dict(state["optimizer"])
+        directory = checkpoint.checkpoint_dir(self.run_dir, latest)
         # The recipe's schedule wins (a run may be extended); the checkpoint gives the step count.
         self.scheduler.override_opt_param_scheduler, self.scheduler.use_checkpoint_opt_param_scheduler = True, False
-        self.scheduler.load_state_dict(state["scheduler"])
-        checkpoint.set_rng_state(state["rng"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tp_rng"])
+        if checkpoint.is_legacy(directory):
+            state = self._load_legacy(directory)
+        else:
+            state = checkpoint.load(directory, model_chunks=self.model, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, groups=self.groups, layout=self._layout())
         self.data_position = state.get("data_position", 0)  # checkpoints before datasets start over
         if self.kl_controller is not None and state.get("kl_controller") is not None:
             self.kl_controller.load_state_dict(state["kl_controller"])
         if self.rank0:
-            print(f"resumed from {checkpoint.checkpoint_dir(self.run_dir, latest)} (step {latest})", flush=True)
+            print(f"resumed from {directory} (step {latest})", flush=True)
         return latest
+
+    def _load_legacy(self, directory: Path) -> dict:
+        """A per-rank checkpoint (the format before distributed checkpoints), on its own layout."""
+        from megatron.core import tensor_parallel
+
+        checkpoint.check_resumable(self.run_dir, self._layout(),
+                                   distributed_optimizer=self.recipe.optim.use_distributed_optimizer)
+        state = checkpoint.load_legacy(directory)
+        for chunk, chunk_state in zip(self.model, state["model"], strict=True):
+            chunk.load_state_dict(chunk_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tp_rng"])
+        return state
 
 
 def rollout_sums(rollouts: RolloutGroups, first: RolloutGroups, stats, invalid: torch.Tensor,

@@ -1,23 +1,52 @@
-"""Per-rank checkpoints: `runs/<name>/checkpoints/step_<N>/rank_<R>.pt` plus a `latest` marker.
+"""Run checkpoints with Megatron-Core's dist_checkpointing: resumable on any parallel layout.
 
-Each rank saves its own shard (model chunk parameters, optimizer and scheduler state, RNG state,
-trainer counters), so a resumed run with the same layout continues bit-for-bit. The layout that
-wrote a checkpoint is recorded beside it (`layout.json`), and resuming on another one stops with
-an error before any process group exists instead of loading mismatched shards. The marker is
-written by global rank 0 after every rank has finished writing, so a crash mid-save never leaves
-a `latest` that points to a partial checkpoint.
+`runs/<name>/checkpoints/step_<N>/` is one distributed checkpoint (Megatron's `torch_dist`
+format: `metadata.json`, `common.pt`, `.metadata`, one `__<rank>_<i>.distcp` file per writing
+rank) plus `layout.json`, the layout that wrote it (for messages only); `checkpoints/latest` names
+the newest complete step. What a checkpoint holds:
+
+- model: every chunk's `sharded_state_dict()`: each tensor under its global name (layer numbers
+  counted over the whole model, not the pipeline stage) with the slice this rank holds, so a
+  loading rank reads the slice of its own TP / PP / VPP layout whatever layout wrote it. The
+  padded vocabulary changes with TP; Megatron marks the embedding and output rows as
+  shape-tolerant and loads the rows both layouts have.
+- optimizer: Megatron's optimizer state, per parameter for plain Adam; the distributed
+  optimizer's in its `fully_reshardable` form: gathered per data-parallel group onto its first
+  rank when saved and written as canonical per-parameter tensors, re-flattened into the loading
+  layout's shards. (Megatron's `dp_reshardable` form writes each rank's flat shard without the
+  gather but reshards only over DP; the gather is the price of changing TP or PP on resume.)
+- common, written once by rank 0: the step, the scheduler, the trainer's state (data position,
+  KL controller) and the optimizer kind.
+- rng: each rank's python / torch / CUDA / tensor-parallel-tracker states. Restored only on the
+  layout that wrote them; a run resumed on another layout keeps the seeds it started with (its
+  ranks draw other random numbers anyway).
+
+Writing: rank 0 creates the directory, every rank writes its shards, then rank 0 writes
+`layout.json` and moves `latest` once all ranks are done, so `latest` never names a partial
+checkpoint. With `CheckpointWriter(async_save=True)` the shards are copied to host memory at
+save time and written by a background process while training goes on; the next save, `poll`
+at a later step, or `close` finishes it and only then moves `latest`.
+
+Checkpoints from before this format (per-rank `rank_<R>.pt` files) still load, on the layout that
+wrote them only: `check_resumable` refuses another with the fix named, and `load_legacy` reads
+them.
 """
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from ..parallel.groups import ParallelGroups
+
 LAYOUT_FILE = "layout.json"
+LEGACY_RANK_FILE = "rank_{rank:05d}.pt"
+OPTIMIZER_SHARDING = "fully_reshardable"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -31,60 +60,246 @@ def latest_step(run_dir: Path) -> int | None:
     return int(marker.read_text().strip())
 
 
+def is_legacy(directory: Path) -> bool:
+    """A per-rank checkpoint from before the distributed format."""
+    return (directory / LEGACY_RANK_FILE.format(rank=0)).is_file()
+
+
+def saved_layout(directory: Path) -> dict[str, Any] | None:
+    record = directory / LAYOUT_FILE
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def describe(layout: dict[str, Any]) -> str:
+    return " ".join(f"{key}={value}" for key, value in layout.items())
+
+
+# ---- RNG ----------------------------------------------------------------------------------------
+
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    from megatron.core import tensor_parallel
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if "tracker" in state:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def check_resumable(run_dir: Path, layout: dict[str, Any]) -> None:
-    """ValueError if the latest checkpoint of `run_dir` was written by another parallel layout
-    (checkpoints from before layouts were recorded are not checked)."""
+# ---- the sharded state dict -----------------------------------------------------------------------
+
+def _metadata(groups: ParallelGroups) -> dict[str, Any]:
+    # What Megatron-LM passes to sharded_state_dict (the group is not saved, the rest is).
+    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            "distrib_optim_sharding_type": OPTIMIZER_SHARDING, "dp_cp_group": groups.dp_cp}
+
+
+def _content_metadata(groups: ParallelGroups) -> dict[str, Any]:
+    return {k: v for k, v in _metadata(groups).items() if k != "dp_cp_group"}
+
+
+def _model_state(model_chunks: list[Any], groups: ParallelGroups) -> dict[str, Any]:
+    metadata = _metadata(groups)
+    state = {}
+    for i, chunk in enumerate(model_chunks):
+        module = chunk.module if hasattr(chunk, "ddp_config") else chunk
+        state[f"model{i}"] = module.sharded_state_dict(metadata=metadata)
+    return state
+
+
+def _rng_object(groups: ParallelGroups):
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return ShardedObject("rng_state_by_rank", rng_state(), (world,), (rank,), replica_id=0)
+
+
+def _optimizer_kind(optimizer) -> str:
+    return "distributed" if _inner_optimizers(optimizer)[0].__class__.__name__ == "DistributedOptimizer" else "plain"
+
+
+def _inner_optimizers(optimizer) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _full_state(model_chunks, optimizer, scheduler, groups, common: dict[str, Any], *, is_loading: bool,
+                with_rng: bool) -> dict[str, Any]:
+    state = _model_state(model_chunks, groups)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_metadata(groups))
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    state["common"] = common
+    if with_rng:
+        state["rng"] = _rng_object(groups)
+    return state
+
+
+# ---- saving -------------------------------------------------------------------------------------
+
+class CheckpointWriter:
+    """Saves checkpoints, synchronously or in a background process (`async_save`).
+
+    At most one asynchronous save is in flight: a new save first finishes the previous one.
+    `poll()` (every rank, at every step: it is collective) moves `latest` as soon as a background
+    save is done; `close()` waits for it.
+    """
+
+    def __init__(self, async_save: bool = False):
+        self.async_save = async_save
+        self._queue = None
+
+    def save(self, run_dir: Path, step: int, *, model_chunks: list[Any], optimizer, scheduler,
+             groups: ParallelGroups, common: dict[str, Any], layout: dict[str, Any]) -> Path:
+        from megatron.core import dist_checkpointing
+
+        self.close()
+        directory = checkpoint_dir(run_dir, step)
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            directory.mkdir(parents=True, exist_ok=True)
+            for stale in directory.iterdir():  # a crashed earlier save of this step
+                stale.unlink()
+        dist.barrier()
+        random_state = rng_state()  # torch's distributed checkpoint writer draws random numbers
+        state = _full_state(model_chunks, optimizer, scheduler, groups,
+                            {**common, "optimizer_kind": _optimizer_kind(optimizer) if optimizer else None},
+                            is_loading=False, with_rng=True)
+        request = dist_checkpointing.save(state, str(directory), _save_strategy(groups),
+                                          async_sharded_save=self.async_save,
+                                          content_metadata=_content_metadata(groups))
+        set_rng_state(random_state)  # saving must not change what the run draws next
+
+        def finish() -> None:
+            if rank0:
+                (directory / LAYOUT_FILE).write_text(json.dumps(layout) + "\n")
+                (run_dir / "checkpoints" / "latest").write_text(f"{step}\n")
+
+        if not self.async_save:
+            dist.barrier()  # every rank's shards are on disk before `latest` moves
+            finish()
+            dist.barrier()
+            return directory
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        request.add_finalize_fn(finish)  # runs on every rank once all ranks finished writing
+        self._queue = AsyncCallsQueue()
+        self._queue.schedule_async_request(request)
+        return directory
+
+    def poll(self) -> None:
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._queue.close()
+            self._queue = None
+            dist.barrier()
+
+
+def _save_strategy(groups: ParallelGroups):
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    # Replicated tensors (every DP x CP rank holds the same model slice) are written once, the
+    # writing spread over the DP x CP group instead of all on its first rank.
+    return FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1), groups.dp_cp)
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+def load(directory: Path, *, model_chunks: list[Any], optimizer, scheduler, groups: ParallelGroups,
+         layout: dict[str, Any]) -> dict[str, Any]:
+    """Load a distributed checkpoint into this rank's model / optimizer / scheduler (any layout);
+    the RNG too when `layout` is the one that wrote it. Returns the common (trainer) state."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(directory))["common"]
+    saved_kind = common.get("optimizer_kind")
+    if optimizer is not None and saved_kind != _optimizer_kind(optimizer):
+        raise ValueError(f"checkpoint {directory} holds the state of the {saved_kind} optimizer but this run uses the "
+                         f"{_optimizer_kind(optimizer)} one: set optim.use_distributed_optimizer="
+                         f"{str(saved_kind == 'distributed').lower()} to resume it")
+    if optimizer is not None:
+        _allocate_optimizer_state(optimizer)
+    same_layout = saved_layout(directory) == layout
+    state = _full_state(model_chunks, optimizer, scheduler, groups, common, is_loading=True, with_rng=same_layout)
+    loaded = dist_checkpointing.load(state, str(directory), _load_strategy(groups))
+    for i, chunk in enumerate(model_chunks):
+        chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        set_rng_state(loaded["rng"])
+    return loaded["common"]
+
+
+def load_model(directory: Path, model_chunks: list[Any], groups: ParallelGroups) -> None:
+    """Only the model's weights (score, export): any layout."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_model_state(model_chunks, groups), str(directory), _load_strategy(groups))
+    for i, chunk in enumerate(model_chunks):
+        chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+
+
+def _load_strategy(groups: ParallelGroups):
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    return FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), groups.dp_cp)
+
+
+def _allocate_optimizer_state(optimizer) -> None:
+    """A fresh distributed optimizer over torch's Adam (the CPU path) has no state yet, and its
+    sharded_state_dict needs one to describe what it loads (Megatron's own fix: one Adam step
+    with zero gradients, whose values the load then overwrites). TE's and apex's Adam, on GPU,
+    describe an empty state by themselves."""
+    for inner in _inner_optimizers(optimizer):
+        if (inner.__class__.__name__ == "DistributedOptimizer" and isinstance(inner.optimizer, torch.optim.Adam)
+                and not inner.optimizer.state):
+            inner._init_optimizer_states_with_dummy_values()
+
+
+# ---- per-rank checkpoints (the format before dist_checkpointing) ---------------------------------
+
+def check_resumable(run_dir: Path, layout: dict[str, Any], *, distributed_optimizer: bool) -> None:
+    """ValueError if the latest checkpoint of `run_dir` is a per-rank one written by another
+    parallel layout, or for the distributed optimizer (per-rank checkpoints hold the plain
+    optimizer's state). Distributed checkpoints load on any layout."""
     step = latest_step(run_dir)
-    record = checkpoint_dir(run_dir, step) / LAYOUT_FILE if step is not None else None
-    if record is None or not record.is_file():
+    if step is None or not is_legacy(checkpoint_dir(run_dir, step)):
         return
-    saved = json.loads(record.read_text())
-    if saved != layout:
-        raise ValueError(f"trainer.resume: the checkpoint {record.parent} was written by the layout {_describe(saved)}, "
-                         f"but this run has {_describe(layout)}; per-rank checkpoints resume only on the layout "
-                         f"that wrote them. Launch with that layout, or start afresh with trainer.resume=false "
-                         f"(or another name / trainer.output_dir)")
+    if distributed_optimizer:
+        raise ValueError(f"trainer.resume: {checkpoint_dir(run_dir, step)} is a per-rank checkpoint (from before "
+                         "distributed checkpoints) of the plain, replicated Adam; resume it with "
+                         "optim.use_distributed_optimizer=false, or start afresh with trainer.resume=false")
+    saved = saved_layout(checkpoint_dir(run_dir, step))
+    if saved is not None and saved != layout:
+        raise ValueError(f"trainer.resume: the checkpoint {checkpoint_dir(run_dir, step)} was written by the layout "
+                         f"{describe(saved)}, but this run has {describe(layout)}; per-rank checkpoints (from before "
+                         f"distributed checkpoints) resume only on the layout that wrote them. Launch with that "
+                         f"layout, or start afresh with trainer.resume=false (or another name / trainer.output_dir)")
 
 
-def _describe(layout: dict[str, Any]) -> str:
-    return " ".join(f"{key}={value}" for key, value in layout.items())
-
-
-def save(run_dir: Path, step: int, state: dict[str, Any], layout: dict[str, Any]) -> Path:
+def load_legacy(directory: Path) -> dict[str, Any]:
     rank = dist.get_rank() if dist.is_initialized() else 0
-    directory = checkpoint_dir(run_dir, step)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f"rank_{rank:05d}.pt.tmp"
-    torch.save(state, tmp)
-    tmp.rename(directory / f"rank_{rank:05d}.pt")
-    if rank == 0:
-        (directory / LAYOUT_FILE).write_text(json.dumps(layout) + "\n")
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        (run_dir / "checkpoints" / "latest").write_text(f"{step}\n")
-    if dist.is_initialized():
-        dist.barrier()
-    return directory
-
-
-def load(run_dir: Path, step: int) -> dict[str, Any]:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = checkpoint_dir(run_dir, step) / f"rank_{rank:05d}.pt"
+    path = directory / LEGACY_RANK_FILE.format(rank=rank)
     if not path.is_file():
         raise ValueError(f"checkpoint {path} is missing: was the run saved with a different number of processes? "
                          f"Resume with the same parallel layout, or start fresh with trainer.resume=false")
