@@ -106,17 +106,17 @@ def test_score_a_run_checkpoint(trained_run, tmp_path):
     rollouts.write_text("".join(json.dumps({"prompt_ids": t[:5].tolist(), "response_ids": t[5:].tolist()}) + "\n"
                                 for t in tokens))
     step_dir = trained_run / "checkpoints" / "step_000002"
-    proc = _cli("score", "--model", step_dir, "--rollouts", rollouts, "--out", tmp_path / "out.jsonl",
-                f"rollout.temperature={TEMPERATURE}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
     expected = hf_log_probs(trained_run / "hf", tokens, TEMPERATURE)[:, 4:]
-    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    for record, want in zip(records, expected):
-        torch.testing.assert_close(torch.tensor(record["log_probs"]), want, atol=1e-4, rtol=0)
-    # per-rank checkpoints load on the layout that wrote them only
-    refused = _cli("score", "--model", step_dir, "--rollouts", rollouts, "--out", tmp_path / "x.jsonl",
-                   "parallel.tp=2")
-    assert refused.returncode == 2 and "load only on that layout" in refused.stderr
+    # The checkpoint was written by dp=2; a distributed checkpoint loads under any layout.
+    for name, layout in {"dp2": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}.items():
+        out = tmp_path / f"{name}.jsonl"
+        proc = _cli("score", "--model", step_dir if name == "dp2" else trained_run, "--rollouts", rollouts,
+                    "--out", out, f"rollout.temperature={TEMPERATURE}", *layout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(records) == len(tokens)
+        for record, want in zip(records, expected):
+            torch.testing.assert_close(torch.tensor(record["log_probs"]), want, atol=1e-4, rtol=0, msg=name)
 
 
 # ---- score on a Hugging Face checkpoint under several layouts -----------------------------------

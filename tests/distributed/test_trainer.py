@@ -52,7 +52,8 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
         assert 0 < record["rollout_corr/k3_kl"] < 1e-2
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "3"
     step_dir = run_dir / "checkpoints" / "step_000003"
-    assert sorted(p.name for p in step_dir.iterdir()) == ["layout.json", "rank_00000.pt", "rank_00001.pt"]
+    names = sorted(p.name for p in step_dir.iterdir())  # a Megatron-Core distributed checkpoint
+    assert {"layout.json", "metadata.json", "common.pt"} <= set(names) and any(n.endswith(".distcp") for n in names)
     assert json.loads((step_dir / "layout.json").read_text()) == {"world_size": 2, "tp": 1, "pp": 1, "cp": 1,
                                                                   "vpp": None}
 
@@ -123,33 +124,72 @@ def test_tp_pp_cp_replicas_train_on_identical_rollouts(tmp_path):
             assert first[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), key
 
 
-def _resume_on_other_layout(rank, world_size, tmp_path):
-    """dp=2 writes a checkpoint; a tp=2 trainer on the same run directory must refuse it."""
+def test_a_dp2_run_resumes_on_tp2_and_on_pp2(tmp_path):
+    """The distributed checkpoint of a dp=2 run continues under tp=2 and pp=2: both resumed runs
+    start from step 2's weights and optimizer state and draw the same rollouts at step 3 (seeded
+    by step), so their step 3 agrees to float rounding."""
+    import shutil
+
+    common = [*SMALL, "name=r", "trainer.steps=2"]
+    run_distributed(train_runs, 2, [(TINY, [*common, f"trainer.output_dir={tmp_path / 'tp'}"])])
+    shutil.copytree(tmp_path / "tp", tmp_path / "pp")
+    runs = [(TINY, [*common, f"trainer.output_dir={tmp_path / name}", "trainer.steps=3", f"parallel.{name}=2"])
+            for name in ("tp", "pp")]
+    tp, pp = run_distributed(train_runs, 2, runs)[0]
+    assert [r["step"] for r in tp] == [r["step"] for r in pp] == [1, 2, 3]
+    assert tp[:2] == pp[:2]  # steps 1-2 were not re-run
+    for key in ("reward_mean", "response_length_mean", "batch/valid_response_tokens"):
+        assert tp[2][key] == pp[2][key], key
+    for key in ("loss", "grad_norm", "rollout_corr/k3_kl"):
+        assert tp[2][key] == pytest.approx(pp[2][key], rel=1e-4, abs=1e-7), key
+
+
+def _legacy_resume(rank, world_size, tmp_path):
+    """A per-rank checkpoint (the format before distributed checkpoints) of a dp=2 trainer: a
+    tp=2 trainer refuses it; resumed on dp=2 it continues."""
+    import torch.distributed as dist
+
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
     from megatron_rlcorr.recipe import load_recipe
-    from megatron_rlcorr.rl.trainer import train
+    from megatron_rlcorr.rl.trainer import Trainer, train
+    from tests.legacy_checkpoint import legacy_state, write_legacy
 
     enable_cpu_megatron()
-    common = [*SMALL, "name=layout", f"trainer.output_dir={tmp_path}", "trainer.steps=1"]
+    common = [*SMALL, "name=legacy", f"trainer.output_dir={tmp_path}", "optim.use_distributed_optimizer=false",
+              "trainer.steps=3"]
+    recipe = load_recipe(TINY, common)
     groups = build_parallel_groups(1, 1, 1, None)
     try:
-        train(load_recipe(TINY, common), groups)
+        trainer = Trainer(recipe, groups)
+        states = [None] * world_size
+        dist.all_gather_object(states, legacy_state(trainer.model, trainer.optimizer, trainer.scheduler, 1,
+                                                    data_position=0, kl_controller=None, recipe=recipe.raw))
+        if rank == 0:
+            write_legacy(recipe.run_dir, 1, states, recipe.parallel.layout(world_size))
+        dist.barrier()
     finally:
         destroy_parallel_groups()
+    error = None
     groups = build_parallel_groups(2, 1, 1, None)
     try:
-        train(load_recipe(TINY, [*common, "parallel.tp=2", "trainer.steps=2"]), groups)
+        train(load_recipe(TINY, [*common, "parallel.tp=2"]), groups)
     except ValueError as err:
-        return str(err)
+        error = str(err)
     finally:
         destroy_parallel_groups()
-    return None
+    groups = build_parallel_groups(1, 1, 1, None)
+    try:
+        train(recipe, groups)
+    finally:
+        destroy_parallel_groups()
+    return [r["step"] for r in read_metrics(recipe.run_dir)], error
 
 
-def test_trainer_refuses_a_checkpoint_of_another_layout(tmp_path):
-    errors = run_distributed(_resume_on_other_layout, 2, tmp_path)
-    for error in errors:  # every rank refuses, none loads a mismatched shard or hangs
+def test_per_rank_checkpoints_resume_on_their_layout_only(tmp_path):
+    for steps, error in run_distributed(_legacy_resume, 2, tmp_path):
+        assert steps == [2, 3]  # trained on from the per-rank checkpoint of step 1
+        # the dp=2 -> tp=2 resume is refused by every rank: none loads a mismatched shard or hangs
         assert error is not None and "tp=1" in error and "tp=2" in error and "trainer.resume=false" in error
 
 

@@ -108,15 +108,16 @@ def test_cli_presets_lists_every_preset_with_its_settings(capsys):
     assert "metrics only" in disabled
 
 
-def test_cli_train_validates_before_launching(capsys, monkeypatch):
+def test_cli_train_validates_before_launching(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: pytest.fail("launched a bad recipe"))
     assert cli.main(["train", "--config", str(TINY), "--nproc", "3"]) == train.EXIT_BAD_RECIPE
     assert "data-parallel size 3" in capsys.readouterr().err
     launched = []
     monkeypatch.setattr(cli.subprocess, "call", lambda cmd: launched.append(cmd) or 0)
-    assert cli.main(["train", "--config", str(TINY), "--nproc", "2", "trainer.steps=1"]) == 0
+    out = f"trainer.output_dir={tmp_path}"  # not ./runs, whose old runs would be resumed
+    assert cli.main(["train", "--config", str(TINY), "--nproc", "2", "trainer.steps=1", out]) == 0
     assert launched[0][1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                               "megatron_rlcorr.train", "--config", str(TINY), "trainer.steps=1"]
+                               "megatron_rlcorr.train", "--config", str(TINY), "trainer.steps=1", out]
 
 
 def test_bypass_pg_batch_norm_needs_one_micro_batch_per_rank():

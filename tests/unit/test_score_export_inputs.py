@@ -67,10 +67,11 @@ def test_missing_or_empty_rollout_files(tmp_path):
 
 # ---- --model SRC ---------------------------------------------------------------------------------
 
-def _fake_run(tmp_path, layout=None, latest=2):
+def _fake_run(tmp_path, layout=None, latest=2, legacy=True):
     run = tmp_path / "run"
     step = run / "checkpoints" / f"step_{latest:06d}"
     step.mkdir(parents=True)
+    (step / ("rank_00000.pt" if legacy else "metadata.json")).write_text("")
     (run / "checkpoints" / "latest").write_text(f"{latest}\n")
     if layout is not None:
         (step / "layout.json").write_text(json.dumps(layout))
@@ -104,7 +105,15 @@ def test_recipe_for_a_hugging_face_model_keeps_the_other_settings(checkpoint):
         source_recipe(resolve_source(checkpoint), None, ["model.num_layers=2"])
 
 
-def test_a_run_checkpoint_loads_on_its_own_layout(tmp_path):
+def test_a_distributed_run_checkpoint_loads_on_any_layout(tmp_path):
+    layout = {"world_size": 2, "tp": 2, "pp": 1, "cp": 1, "vpp": None}
+    source = resolve_source(_fake_run(tmp_path, layout, legacy=False))
+    recipe = source_recipe(source, None, [])
+    for world_size in (2, 4):
+        check_source_layout(source, recipe, world_size)
+
+
+def test_a_per_rank_run_checkpoint_loads_on_its_own_layout(tmp_path):
     layout = {"world_size": 2, "tp": 2, "pp": 1, "cp": 1, "vpp": None}
     source = resolve_source(_fake_run(tmp_path, layout))
     recipe = source_recipe(source, None, [])
