@@ -29,6 +29,8 @@ def _free_port() -> int:
 def _worker(rank, world_size, port, fn, args, out_dir, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if backend == "gloo":  # the CPU path, also on a GPU machine (before anything initialises CUDA)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:

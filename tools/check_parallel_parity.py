@@ -200,11 +200,13 @@ def run_worker(args) -> None:
                                         temperature=cfg.temperature,
                                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        scheduler.step(1)  # the caller's, once per RL step (as the trainer does)
         history.append({k: float(v) for k, v in result.metrics.items()})
     sync_params(chunks)
     weights = export_full_weights(chunks, groups)
     if dist.get_rank() == 0:
-        torch.save({"history": history, "weights": weights}, args.out)
+        moved = max(float((weights[k] - init_weights[k]).abs().max()) for k in weights)
+        torch.save({"history": history, "weights": weights, "moved": moved}, args.out)
     dist.destroy_process_group()
 
 
@@ -307,6 +309,10 @@ def main(argv=None) -> int:
                     print(f"reference run (one process, micro-batch size {ref_mbs}) failed:\n{error}")
                     return 1
                 refs[ref_mbs] = torch.load(ref_out, weights_only=False)
+                if refs[ref_mbs]["moved"] < 1e-4:  # else the parameter column compares untrained weights
+                    print(f"reference run (micro-batch size {ref_mbs}): the weights moved only "
+                          f"{refs[ref_mbs]['moved']:.1e} from the initial ones in {args.steps} steps; use more steps")
+                    return 1
             ref = refs[ref_mbs]
             error = launch(name, layout, args, out, mbs, packed_budget(layout) if args.packed else 0, json.dumps(optim))
             if error:
@@ -322,7 +328,8 @@ def main(argv=None) -> int:
         fractions = {name: " ".join(f"{h.get(f'rollout_corr/{name}', float('nan')):.3f}" for h in ref["history"])
                      for name in ("rollout_is_veto_fraction", "rollout_rs_seq_masked_fraction",
                                   "rollout_rs_masked_fraction")}
-        print(f"reference (1 process, micro-batch size {ref_mbs}) per step: veto fraction (sequences) "
+        print(f"reference (1 process, micro-batch size {ref_mbs}): max |param - initial| {ref['moved']:.2e}; "
+              f"per step: veto fraction (sequences) "
               f"{fractions['rollout_is_veto_fraction']}; RS rejected sequences "
               f"{fractions['rollout_rs_seq_masked_fraction']}, tokens {fractions['rollout_rs_masked_fraction']}")
     print(f"tolerances: loss {TOL['loss']:g} abs, grad norm {TOL['grad_norm']:g} rel, params {TOL['param']:g} abs, "

@@ -12,7 +12,8 @@ parallel layout; a per-rank one from before that format loads on the layout that
 The recipe: for a Hugging Face SRC, the model section holds `hf_checkpoint: SRC` plus the
 non-architecture keys of `--config`'s model section (precision, FP8, ...), so a recipe written
 for another model still lends its rollout, correction and trainer settings; for a run, the run's
-own recipe.yaml (its model and parallel sections always: they describe the weights). Dotted
+own recipe.yaml (its model and parallel sections always: the model describes the weights, the
+parallel section is the default layout, which `parallel.*` overrides may change). Dotted
 overrides apply last.
 """
 from __future__ import annotations

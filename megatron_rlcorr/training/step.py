@@ -19,7 +19,9 @@ Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
    averaging (optimizer.loss_scale_for_schedule), so the gradient equals the single-process
    full-batch gradient for any layout, micro-batch size or packing. `batch/padding_fraction`:
    tokens computed / tokens the sequences need - 1.
-4. DDP all-reduces gradients (finalize_model_grads), Megatron's optimizer clips and steps.
+4. DDP reduces the gradients (finalize_model_grads: an all-reduce, or with the distributed
+   optimizer a reduce-scatter, possibly overlapped with the backward), Megatron's optimizer clips
+   and steps.
    The learning-rate scheduler is the caller's: it advances once per RL step, so every update of
    a step uses that step's learning rate (verl's schedule). Metrics, kept as (sum, count)
    tensors, are reduced once over CP x DP and broadcast from the last pipeline stage to the

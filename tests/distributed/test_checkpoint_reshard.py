@@ -8,7 +8,6 @@ restored (a fresh Adam's third step differs, checked as a control). The weights 
 full tensors in neutral names against the single-process reference weights that the dp2 run
 exports.
 """
-import importlib.util
 
 import pytest
 import torch
@@ -17,8 +16,6 @@ from tests.dist import hide_gpus, run_distributed
 
 pytestmark = [
     pytest.mark.distributed,
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
-                       reason="CPU-path test; Transformer Engine is installed"),
 ]
 
 CFG = dict(vocab_size=100, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,
@@ -66,8 +63,7 @@ def _worker(rank, world, layout, directory, mode, batches, optim=None):
         cfg = _step_config(SCENARIOS[step], 2)
         batch = StepBatch(**{k: v[rows] for k, v in batches[step].items()})
         old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=2, temperature=cfg.temperature)
-        import megatron_rlcorr.training.step as step_module
-        step_module.train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
         scheduler.step(1)
 
     def weights():

@@ -11,7 +11,6 @@ then:
   bit for bit, and transformers must load it and give the same logits) and at TP 2 in bfloat16
   (every tensor equal to the bfloat16 cast of the source).
 """
-import importlib.util
 
 import pytest
 import torch
@@ -21,8 +20,6 @@ from tests.hf_models import FAMILIES, hf_log_probs, hf_logits, make_checkpoint, 
 
 pytestmark = [
     pytest.mark.distributed,
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
-                       reason="CPU-path test; Transformer Engine is installed"),
 ]
 
 BATCH, SEQ, TEMPERATURE = 4, 24, 0.7

@@ -5,7 +5,6 @@ forward and backward, takes one SGD step (lr 1) and exports the weights: matchin
 the forward, matching post-step weights check every gradient and the export at once. The
 reference is `reference_forward` with autograd on one process.
 """
-import importlib.util
 
 import pytest
 import torch
@@ -15,10 +14,6 @@ from tests.dist import hide_gpus, run_distributed
 
 pytestmark = [
     pytest.mark.distributed,
-    # With Transformer Engine installed Megatron-Core builds TE norms even in the local spec, and
-    # those need CUDA: the CPU path exists only on machines without TE.
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
-                       reason="CPU-path test; Transformer Engine is installed"),
 ]
 
 CFG = dict(vocab_size=100, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,

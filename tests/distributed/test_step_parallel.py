@@ -13,7 +13,6 @@ micro-batch is rejected entirely). The bypass PPO veto scenarios add two rows (2
 the engine gave probability ~1 but the model ~1/100: ratio ~0.01 < the veto threshold 0.05, so the
 veto rejects them (pi_theta vs pi_rollout; with pi_old := pi_rollout it could never fire).
 """
-import importlib.util
 
 import pytest
 import torch
@@ -22,8 +21,6 @@ from tests.dist import hide_gpus, run_distributed
 
 pytestmark = [
     pytest.mark.distributed,
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
-                       reason="CPU-path test; Transformer Engine is installed"),
 ]
 
 CFG = dict(vocab_size=100, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
