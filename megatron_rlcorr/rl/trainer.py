@@ -305,6 +305,7 @@ class Trainer:
         from ..model.hf import export_hf
 
         out = self.run_dir / "hf"
+        sync_params(self.model)
         dtype = torch.bfloat16 if self.recipe.trainer.save_hf_dtype == "bfloat16" else torch.float32
         export_hf(self.model, self.groups, out, self.recipe.model, dtype=dtype, tokenizer_dir=self.recipe.data.tokenizer)
         if self.rank0:
