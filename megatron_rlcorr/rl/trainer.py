@@ -32,7 +32,7 @@ import yaml
 from ..data.datasets import PromptDataset
 from ..data.tasks import DataSettings, Prompt, build_task
 from ..model.config import ModelConfig
-from ..model.weights import export_full_weights
+from ..model.weight_stream import MiB, drain, flatten, weight_buckets
 from ..parallel.groups import ParallelGroups
 from ..parallel.layout import ParallelSettings
 from ..rollout import RolloutConfig, make_engine
@@ -278,11 +278,16 @@ class Trainer:
         return results
 
     def _push_weights(self) -> None:
-        """Collective over TP and PP (every rank calls it); only rollout sources keep the result."""
+        """Stream the weights to the engine (model/weight_stream.py): collective over TP and PP,
+        so every rank drains the stream; only rollout sources keep it."""
         sync_params(self.model)
-        weights = export_full_weights(self.model, self.groups)
+        rollout = self.recipe.rollout
+        buckets = weight_buckets(self.model, self.groups, dtype=rollout.weight_dtype,
+                                 bucket_bytes=rollout.weight_sync_bucket_mb * MiB)
         if self.engine is not None:
-            self.engine.load_weights(weights)
+            self.engine.load_weights(flatten(buckets))
+        else:
+            drain(buckets)
 
     # ---- checkpoints ----------------------------------------------------------------------------
 

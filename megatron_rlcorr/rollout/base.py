@@ -17,6 +17,7 @@ Log-prob convention (`RolloutConfig.logprobs`):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -49,6 +50,7 @@ class RolloutConfig:
     max_new_tokens: int = 16
     n: int = 8
     logprobs: LogprobsMode = "tempered"
+    weight_sync_bucket_mb: int = 512  # the weight stream to the engine moves this much at a time
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, ENGINES)
@@ -62,6 +64,16 @@ class RolloutConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+        if self.weight_sync_bucket_mb < 1:
+            raise ValueError(f"weight_sync_bucket_mb must be >= 1 (MiB per bucket of the weight stream), "
+                             f"got {self.weight_sync_bucket_mb}")
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the weights travel in to the engine: its compute dtype, except that FP8
+        emulation quantises from float32 (a bf16 copy first would round twice). Every rank of the
+        stream's collectives uses it."""
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
 
 @dataclass
@@ -94,9 +106,15 @@ class RolloutBatch:
 class RolloutEngine(Protocol):
     """A sampler of the trainer's policy with its own numerics (precision, kernels)."""
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Replace all weights. Full, unsharded float tensors with the neutral names of
-        `model.weights.neutral_weight_shapes` (embed.weight, layers.{i}.q.weight, ..., lm_head.weight)."""
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the trainer should send the weights in."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace all weights from a mapping or a stream of (name, tensor) pairs, consumed once:
+        full, unsharded float tensors with the neutral names of `model.weights.neutral_weight_shapes`
+        (embed.weight, layers.{i}.q.weight, ..., lm_head.weight; a tied model's lm_head may be left out)."""
         ...
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,

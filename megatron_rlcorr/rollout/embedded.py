@@ -22,7 +22,7 @@ Sequences are left-padded into one batch; positions start at 0 at each prompt's 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,20 +119,33 @@ class EmbeddedEngine:
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the weights should arrive in (RolloutConfig.weight_dtype)."""
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace all weights from a mapping or a stream of (neutral name, full tensor) pairs
+        (model/weight_stream.py), converting each tensor as it arrives. A tied model's
+        lm_head.weight may be left out. The old weights stay until the new set is complete."""
         expected = neutral_weight_shapes(self.shape)
-        missing = [k for k in expected if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        if missing or unexpected:
-            raise ValueError(f"load_weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
-                             f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} (names as in "
-                             f"model.weights.neutral_weight_shapes of the engine's DecoderShape)")
-        for name, dims in expected.items():
-            tensor = state_dict[name]
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        w: dict[str, torch.Tensor] = {}
+        for name, tensor in pairs:
+            dims = expected.get(name)
+            if dims is None:
+                raise ValueError(f"load_weights: unexpected weight {name!r} (names as in "
+                                 "model.weights.neutral_weight_shapes of the engine's DecoderShape)")
             if tuple(tensor.shape) != dims or not tensor.is_floating_point():
                 raise ValueError(f"load_weights: {name} must be a float tensor of shape {dims}, got "
                                  f"{tensor.dtype} {tuple(tensor.shape)}")
-        w = {name: self._convert(name, tensor) for name, tensor in state_dict.items()}
+            w[name] = self._convert(name, tensor)
+        if self.shape.tie_embeddings and "lm_head.weight" not in w and "embed.weight" in w:
+            w["lm_head.weight"] = w["embed.weight"]
+        missing = [k for k in expected if k not in w]
+        if missing:
+            raise ValueError(f"load_weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''} (names as in "
+                             "model.weights.neutral_weight_shapes of the engine's DecoderShape)")
         layers = [self._fuse_layer(w, f"layers.{i}.") for i in range(self.shape.num_layers)]
         self.weights = _Weights(embed=w["embed.weight"], layers=layers, final_norm=w["final_norm.weight"],
                                 lm_head=w["lm_head.weight"])
@@ -145,11 +158,14 @@ class EmbeddedEngine:
         return tensor.to(self.dtype).contiguous()
 
     def _fuse_layer(self, w: dict[str, torch.Tensor], p: str) -> _Layer:
-        bias = torch.cat([w[p + "q.bias"], w[p + "k.bias"], w[p + "v.bias"]]) if self.shape.add_qkv_bias else None
-        return _Layer(attn_norm=w[p + "attn_norm.weight"],
-                      qkv=torch.cat([w[p + "q.weight"], w[p + "k.weight"], w[p + "v.weight"]]), qkv_bias=bias,
-                      q_norm=w.get(p + "q_norm.weight"), k_norm=w.get(p + "k_norm.weight"), o=w[p + "o.weight"], mlp_norm=w[p + "mlp_norm.weight"],
-                      gate_up=torch.cat([w[p + "gate.weight"], w[p + "up.weight"]]), down=w[p + "down.weight"])
+        # pop: each part is freed as soon as its fused copy exists
+        parts = {name[len(p):]: w.pop(name) for name in [n for n in w if n.startswith(p)]}
+        bias = torch.cat([parts["q.bias"], parts["k.bias"], parts["v.bias"]]) if self.shape.add_qkv_bias else None
+        return _Layer(attn_norm=parts["attn_norm.weight"],
+                      qkv=torch.cat([parts["q.weight"], parts["k.weight"], parts["v.weight"]]), qkv_bias=bias,
+                      q_norm=parts.get("q_norm.weight"), k_norm=parts.get("k_norm.weight"), o=parts["o.weight"],
+                      mlp_norm=parts["mlp_norm.weight"], gate_up=torch.cat([parts["gate.weight"], parts["up.weight"]]),
+                      down=parts["down.weight"])
 
     # ---- model ---------------------------------------------------------------------------------
 

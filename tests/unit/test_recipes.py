@@ -45,6 +45,10 @@ def test_base_chain_and_overrides(tmp_path):
 
 
 BAD = [
+    (["rollout.weight_sync_bucket_mb=0"], "weight_sync_bucket_mb must be >= 1"),
+    (["optim.overlap_param_gather=true", "optim.overlap_grad_reduce=true", "optim.use_distributed_optimizer=false"],
+     "overlap_param_gather overlaps the distributed optimizer"),
+    (["optim.overlap_param_gather=true"], "needs optim.overlap_grad_reduce: true"),
     (["trainer.stpes=3"], 'unknown key trainer.stpes (did you mean "steps"?)'),
     (["optim.lr=fast"], "optim.lr must be a number, got 'fast'"),
     (["trainer.steps=2.5"], "trainer.steps must be an integer"),

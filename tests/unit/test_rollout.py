@@ -305,6 +305,31 @@ def test_load_weights_rejects_bad_state_dicts(weights):
         engine(weights).generate([[1], []], max_new_tokens=1)
 
 
+def test_load_weights_from_a_stream_keeps_the_old_weights_on_a_bad_one(weights):
+    eng = engine(weights)
+    before = eng.weights
+    stream = iter([(name, tensor) for name, tensor in weights.items() if name != "layers.1.up.weight"])
+    with pytest.raises(ValueError, match="missing.*layers.1.up.weight"):
+        eng.load_weights(stream)
+    assert eng.weights is before  # nothing half-loaded
+    bumped = {name: tensor + 0.01 for name, tensor in weights.items()}
+    eng.load_weights((name, tensor) for name, tensor in bumped.items())  # a generator, consumed once
+    assert torch.equal(eng.weights.layers[1].down, bumped["layers.1.down.weight"])
+
+
+def test_tied_model_may_leave_lm_head_out_of_the_stream():
+    shape = dataclasses.replace(SHAPE, tie_embeddings=True)
+    weights = make_weights(shape=shape)
+    eng = EmbeddedEngine(shape)
+    eng.load_weights((n, t) for n, t in weights.items() if n != "lm_head.weight")
+    assert eng.weights.lm_head is eng.weights.embed
+
+
+def test_weight_dtype_follows_the_precision():
+    assert {p: EmbeddedEngine(SHAPE, precision=p).weight_dtype for p in ("fp32", "bf16", "fp8")} == {
+        "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
+
+
 def test_decoder_shape_validation():
     with pytest.raises(ValueError, match="num_query_groups"):
         DecoderShape(10, 32, 1, 4, 3, 64)
