@@ -13,7 +13,9 @@ from typing import Mapping
 import torch
 
 CONSOLE_KEYS = (
-    ("reward", "reward_mean"), ("acc", "reward/acc_mean"), ("len", "response_length_mean"), ("loss", "loss"),
+    ("reward", "reward_mean"), ("acc", "reward/acc_mean"), ("len", "response_length_mean"),
+    ("len_max", "response_length_max"), ("trunc", "response/clip_fraction"), ("gen_s", "timing/gen_s"),
+    ("gen_tok/s", "throughput/gen_tokens_per_s"), ("loss", "loss"),
     ("gnorm", "grad_norm"), ("k3", "rollout_corr/k3_kl"), ("lppl_diff", "rollout_corr/log_ppl_abs_diff"),
     ("ppl_ratio", "rollout_corr/ppl_ratio"),
     ("is_mean", "rollout_corr/rollout_is_mean"), ("rs_masked", "rollout_corr/rollout_rs_masked_fraction"),

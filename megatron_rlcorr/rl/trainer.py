@@ -53,7 +53,8 @@ from .settings import AlgorithmSettings, TrainerSettings
 _ROLLOUT_SUMS = ("round0_score", "round0_acc", "round0_samples", "batch_reward", "batch_score", "batch_acc",
                  "batch_samples", "response_tokens", "eos_samples", "invalid_tokens", "all_tokens", "gen_batches",
                  "informative_fraction", "filler_fraction", "replicas", "exhausted", "dropped_long_prompts",
-                 "skipped_bad_rows")
+                 "skipped_bad_rows", "generated_tokens")
+_ROLLOUT_MAXIMA = ("response_length_max",)  # reduced with MAX over DP, the sums with SUM
 
 
 class RunSettings(Protocol):
@@ -160,7 +161,8 @@ class Trainer:
         metrics = {**_rollout_metrics(sums), **_train_metrics(results), **step_metrics, **data_metrics}
         metrics.update({"timing/gen_s": t_gen - t0, "timing/train_s": t_train - t_gen,
                         "timing/weight_sync_s": t_end - t_train, "timing/step_s": t_end - t0,
-                        "throughput/tokens_per_s": sums["all_tokens"] / (t_end - t0)})
+                        "throughput/tokens_per_s": sums["all_tokens"] / (t_end - t0),
+                        "throughput/gen_tokens_per_s": sums["generated_tokens"] / (t_gen - t0)})
         return metrics
 
     def _before_updates(self, batch: StepBatch):
@@ -212,14 +214,17 @@ class Trainer:
     def rollouts(self, step: int, step_prompts: list[Prompt] | None = None
                  ) -> tuple[StepBatch, torch.Tensor, dict[str, torch.Tensor]]:
         """This DP replica's StepBatch and per-sequence rewards (identical on its TP/CP/PP ranks),
-        and the DP-summed rollout stats."""
-        batch = rewards = sums_vec = None
+        and the rollout stats over DP (sums, and maxima)."""
+        batch = rewards = local_stats = None
         if self.engine is not None:
-            batch, rewards, sums_vec = self._generate(step, step_prompts)
-        batch, rewards, sums_vec = share_in_model_parallel(batch, rewards, sums_vec, self.groups, num_columns=1,
-                                                           num_extras=len(_ROLLOUT_SUMS), device=self.device)
+            batch, rewards, local_stats = self._generate(step, step_prompts)
+        batch, rewards, stats_vec = share_in_model_parallel(
+            batch, rewards, local_stats, self.groups, num_columns=1, num_extras=len(_ROLLOUT_SUMS) + len(_ROLLOUT_MAXIMA),
+            device=self.device)
+        sums_vec, maxima_vec = stats_vec[:len(_ROLLOUT_SUMS)].clone(), stats_vec[len(_ROLLOUT_SUMS):].clone()
         dist.all_reduce(sums_vec, group=self.groups.dp)
-        sums = dict(zip(_ROLLOUT_SUMS, sums_vec.unbind()))
+        dist.all_reduce(maxima_vec, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        sums = {**dict(zip(_ROLLOUT_SUMS, sums_vec.unbind())), **dict(zip(_ROLLOUT_MAXIMA, maxima_vec.unbind()))}
         sampling = self.recipe.algorithm.dynamic_sampling
         if sampling.on_exhausted == "error" and bool(sums["exhausted"] > 0):  # the same decision on every rank
             raise RuntimeError(f"step {step}: dynamic sampling reached max_num_gen_batches="
@@ -235,6 +240,7 @@ class Trainer:
         recipe, dp_rank = self.recipe, self.groups.dp_rank
         seed = recipe.trainer.seed
         dropped = {"long": 0, "bad": 0}  # prompts the top-up rounds skipped
+        generated = {"tokens": 0}
 
         def draw(round_: int, num_prompts: int) -> RolloutGroups:
             prompt_generator = seeded_generator(seed, "prompts", step, dp_rank, round_)
@@ -246,16 +252,20 @@ class Trainer:
                                                             dropped["bad"] + drawn.skipped_bad)
             else:
                 prompts = self.task.sample_prompts(num_prompts, prompt_generator)
-            return generate_groups(
+            drawn = generate_groups(
                 self.engine, self.task, prompts, rollout=recipe.rollout, overlong=recipe.algorithm.overlong_penalty,
                 sample_generator=seeded_generator(seed, "samples", step, dp_rank, round_, device=self.device))
+            generated["tokens"] += int(drawn.response_lengths().sum())  # every round's, for tokens/s
+            return drawn
 
         algo = recipe.algorithm
         rollouts, first, stats = dynamic_sample(draw, self.groups_per_rank, algo.dynamic_sampling)
         advantages_B = group_advantages(rollouts.rewards_GN, algo.advantage_estimator, algo.norm_adv_by_std).reshape(-1)
         batch, invalid = build_step_batch(rollouts, advantages_B)
         rewards_B1 = rollouts.rewards_GN.reshape(-1, 1).double()
-        return batch, rewards_B1, rollout_sums(rollouts, first, stats, invalid, dropped)
+        stats_vec = torch.cat([rollout_sums(rollouts, first, stats, invalid, dropped, generated["tokens"]),
+                               rollout_maxima(rollouts)])
+        return batch, rewards_B1, stats_vec
 
     def _update(self, batch: StepBatch, old_log_probs: torch.Tensor | None, ref_log_probs: torch.Tensor | None,
                 correction: StepCorrection | None) -> list[StepResult]:
@@ -358,9 +368,10 @@ class Trainer:
 
 
 def rollout_sums(rollouts: RolloutGroups, first: RolloutGroups, stats, invalid: torch.Tensor,
-                 dropped: dict[str, int]) -> torch.Tensor:
+                 dropped: dict[str, int], generated_tokens: int) -> torch.Tensor:
     """This rank's float64 vector of _ROLLOUT_SUMS: round 0's samples as generated; the trained
-    batch's without its fillers, which take part in no mean."""
+    batch's without its fillers, which take part in no mean; the response tokens of every
+    generation round."""
     real = ~rollouts.filler_G
     lengths_GN = rollouts.response_lengths().reshape(-1, rollouts.n)
     eos_GN = torch.tensor([r == "eos" for r in rollouts.finish_reasons]).reshape(-1, rollouts.n)
@@ -368,8 +379,15 @@ def rollout_sums(rollouts: RolloutGroups, first: RolloutGroups, stats, invalid: 
             rollouts.scores_GN[real].sum(), rollouts.acc_GN[real].sum(), rollouts.scores_GN[real].numel(),
             lengths_GN[real].sum(), eos_GN[real].sum(), invalid,
             sum(len(p) for p in rollouts.prompt_ids()) + lengths_GN.sum(), stats.gen_batches,
-            stats.informative_fraction, stats.filler_fraction, 1, stats.exhausted, dropped["long"], dropped["bad"]]
+            stats.informative_fraction, stats.filler_fraction, 1, stats.exhausted, dropped["long"], dropped["bad"],
+            generated_tokens]
     return torch.tensor([float(x) for x in sums], dtype=torch.float64)
+
+
+def rollout_maxima(rollouts: RolloutGroups) -> torch.Tensor:
+    """This rank's float64 vector of _ROLLOUT_MAXIMA over the trained batch without its fillers."""
+    lengths = rollouts.response_lengths().reshape(-1, rollouts.n)[~rollouts.filler_G]
+    return torch.tensor([float(lengths.max()) if lengths.numel() else 0.0], dtype=torch.float64)
 
 
 def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -382,7 +400,8 @@ def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "reward/batch_reward_mean": sums["batch_reward"] / samples,
         "reward/batch_acc_mean": sums["batch_acc"] / samples,
         "response_length_mean": sums["response_tokens"] / samples,
-        "response/clip_fraction": 1 - sums["eos_samples"] / samples,
+        "response_length_max": sums["response_length_max"],
+        "response/clip_fraction": 1 - sums["eos_samples"] / samples,  # truncated at max_new_tokens
         "rollout_corr/invalid_rollout_token_fraction": sums["invalid_tokens"] / sums["response_tokens"].clamp(min=1),
         "dynamic_sampling/num_gen_batches": sums["gen_batches"] / replicas,
         "dynamic_sampling/informative_fraction": sums["informative_fraction"] / replicas,

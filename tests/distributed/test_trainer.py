@@ -29,6 +29,7 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
         capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("step ") == 3 and "metrics:" in proc.stdout
+    assert proc.stdout.count(" gen_tok/s=") == 3 and proc.stdout.count(" len_max=") == 3
     run_dir = tmp_path / "tiny_cpu"
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -37,12 +38,14 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
                 "rollout_corr/log_ppl_diff", "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_batch_norm_factor",
                 "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_is_veto_fraction",
                 "actor/pg_loss", "actor/entropy", "dynamic_sampling/num_gen_batches",
-                "reward/acc_mean"}
+                "reward/acc_mean", "response_length_max", "response/clip_fraction", "throughput/gen_tokens_per_s"}
     for record in records:
         assert required <= record.keys(), required - record.keys()
         bad = {k: v for k, v in record.items() if not math.isfinite(v)}
         assert not bad
         assert 0.0 <= record["reward_mean"] <= 1.0 and 1.0 <= record["response_length_mean"] <= 4.0
+        assert record["response_length_mean"] <= record["response_length_max"] <= 4.0  # rollout.max_new_tokens
+        assert 0.0 <= record["response/clip_fraction"] <= 1.0 and record["throughput/gen_tokens_per_s"] > 0
         assert record["lr"] == pytest.approx(3e-3) and record["grad_norm"] > 0
         assert record["rollout_corr/invalid_rollout_token_fraction"] == 0.0
         # bf16 rollout vs fp32 training: a small but real mismatch.
