@@ -70,10 +70,15 @@ class RolloutConfig:
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        """The dtype the weights travel in to the engine: its compute dtype, except that FP8
-        emulation quantises from float32 (a bf16 copy first would round twice). Every rank of the
-        stream's collectives uses it."""
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+        """The dtype the weights travel in to the engine (every rank of the stream's collectives
+        uses it)."""
+        return weight_dtype(self.precision)
+
+
+def weight_dtype(precision: Precision) -> torch.dtype:
+    """The dtype an engine of `precision` takes its weights in: its compute dtype, except that
+    FP8 emulation quantises from float32 (a bf16 copy first would round twice)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 @dataclass

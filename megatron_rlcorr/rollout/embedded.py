@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..model.architecture import DecoderShape, rotary_inv_freq
 from ..model.weights import neutral_weight_shapes
-from .base import FinishReason, LogprobsMode, Precision, RolloutBatch
+from .base import FinishReason, LogprobsMode, Precision, RolloutBatch, weight_dtype
 from .precision import fp8_e4m3_qdq
 
 _LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -121,8 +121,8 @@ class EmbeddedEngine:
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        """The dtype the weights should arrive in (RolloutConfig.weight_dtype)."""
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+        """The dtype the weights should arrive in (base.weight_dtype)."""
+        return weight_dtype(self.precision)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all weights from a mapping or a stream of (neutral name, full tensor) pairs
