@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from _bench_world import bench_model_config, start_one_process_world
 
 PROMPT = 16
 
@@ -57,25 +58,16 @@ def run(args) -> dict:
     import torch.distributed as dist
 
     from megatron_rlcorr.config import RolloutCorrectionConfig
-    from megatron_rlcorr.model.config import ModelConfig
-    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
     from megatron_rlcorr.training.losses import LossConfig
     from megatron_rlcorr.training.optimizer import OptimSettings, build_model_and_optimizer
     from megatron_rlcorr.training.step import StepConfig, compute_old_log_probs, train_minibatch
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    enable_cpu_megatron()
+    start_one_process_world(args.device, port=29517)
     groups = build_parallel_groups(1, 1, 1)
-    heads = max(2, args.hidden // 64)
-    model_cfg = ModelConfig(vocab_size=1024, hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=heads,
-                            num_query_groups=heads, ffn_hidden_size=args.hidden * 3, max_position_embeddings=8192,
-                            bf16=cuda)
+    model_cfg = bench_model_config(hidden=args.hidden, layers=args.layers, vocab=1024, max_positions=8192,
+                                   device=args.device)
     # lr 0: the weights stay put, so every timed step computes the same gradient
     chunks, optimizer, _ = build_model_and_optimizer(model_cfg, OptimSettings(lr=1e-9, clip_grad=0.0), groups,
                                                      seed=3, total_steps=10)
@@ -122,7 +114,6 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
     if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     results = run(args)
     lengths = results.pop("lengths")

@@ -18,11 +18,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
+from _bench_world import bench_model_config, start_one_process_world
 
 SETTINGS = {
     "none": None,
@@ -51,15 +51,12 @@ class SavedBytes:
 
 def run_setting(recompute, args, tokens):
     from megatron_rlcorr.model.build import build_model_chunks
-    from megatron_rlcorr.model.config import ModelConfig
     from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
 
     cuda = args.device == "cuda"
     groups = build_parallel_groups(1, 1, 1)
-    heads = max(2, args.hidden // 64)
-    cfg = ModelConfig(vocab_size=2048, hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=heads,
-                      num_query_groups=heads, ffn_hidden_size=args.hidden * 3, max_position_embeddings=args.seq,
-                      bf16=cuda, recompute=recompute)
+    cfg = bench_model_config(hidden=args.hidden, layers=args.layers, vocab=2048, max_positions=args.seq,
+                             device=args.device, recompute=recompute)
     (model,) = build_model_chunks(cfg, groups, seed=5)
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     times, saved, peak = [], 0, 0
@@ -96,17 +93,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
-    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
-
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29519")
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    enable_cpu_megatron()
+    start_one_process_world(args.device, port=29519)
     tokens = torch.randint(1, 2048, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(args.device)
     results = {name: run_setting(setting, args, tokens) for name, setting in SETTINGS.items()}
