@@ -275,11 +275,11 @@ def _packed_micro_batch(rows: list[int], spans: list[int], lengths: list[int], n
     column = torch.arange(total, device=device) - cu_padded[seq]
     row = torch.tensor(rows, device=device)[seq]
     cell = torch.where(column < width, row * width + column, num_rows * width)
-    per_rank = [cell[packed_cp_indices(cu_padded, total, cp_size, r)] for r in range(cp_size)]
-    columns = [column[packed_cp_indices(cu_padded, total, cp_size, r)] for r in range(cp_size)]
+    shards = [packed_cp_indices(cu_padded, total, cp_size, r) for r in range(cp_size)]
+    per_rank = [cell[shard] for shard in shards]
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real.to(torch.int32),
                              cu_seqlens_kv=cu_real.to(torch.int32), cu_seqlens_q_padded=cu_padded.to(torch.int32),
                              cu_seqlens_kv_padded=cu_padded.to(torch.int32), max_seqlen_q=max(spans),
                              max_seqlen_kv=max(spans))
-    mine = MicroBatch(per_rank[cp_rank], columns[cp_rank], params, (cu_padded // cp_size).to(torch.int32))
+    mine = MicroBatch(per_rank[cp_rank], column[shards[cp_rank]], params, (cu_padded // cp_size).to(torch.int32))
     return mine, per_rank
