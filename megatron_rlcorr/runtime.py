@@ -48,8 +48,10 @@ def report_bad_input(what: str, err: Exception) -> int:
 
 
 @contextmanager
-def process_groups(parallel: ParallelSettings, *, timeout_minutes: int) -> Iterator[ParallelGroups]:
-    """The parallel groups of `parallel` on this torchrun world, torn down on exit. Every group
+def process_groups(parallel: ParallelSettings, *, timeout_minutes: int, rollout_tp: int = 1
+                   ) -> Iterator[ParallelGroups]:
+    """The parallel groups of `parallel` (and rollout groups of `rollout_tp` ranks) on this
+    torchrun world, torn down on exit. Every group
     (the default one and Megatron-Core's) gets the collective timeout `timeout_minutes`
     (trainer.timeout_minutes: generating 20k-token responses can outlast torch's 10 minutes)."""
     from .parallel.cpu import enable_cpu_megatron
@@ -62,7 +64,8 @@ def process_groups(parallel: ParallelSettings, *, timeout_minutes: int) -> Itera
     try:
         enable_cpu_megatron()
         groups = build_parallel_groups(parallel.tp, parallel.pp, parallel.cp, parallel.vpp,
-                                       sequence_parallel=parallel.sequence_parallel, timeout_minutes=timeout_minutes)
+                                       sequence_parallel=parallel.sequence_parallel, timeout_minutes=timeout_minutes,
+                                       rollout_tp=rollout_tp)
         try:
             yield groups
         finally:

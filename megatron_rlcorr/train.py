@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(recipe: Recipe) -> int:
     from .rl.trainer import train
 
-    with process_groups(recipe.parallel, timeout_minutes=recipe.trainer.timeout_minutes) as groups:
+    with process_groups(recipe.parallel, timeout_minutes=recipe.trainer.timeout_minutes,
+                        rollout_tp=recipe.rollout.tensor_parallel_size) as groups:
         train(recipe, groups)
     return 0
 

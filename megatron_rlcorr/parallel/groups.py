@@ -11,6 +11,7 @@ neighbours, then context-parallel, then data-parallel, with pipeline stages oute
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -27,6 +28,11 @@ class ParallelGroups:
     over which weight gradients are reduced and over which every token of a batch is counted).
     `pg_collection` is what Megatron-Core modules (GPTModel) take as `pg_collection`.
     `vpp_size` and `sequence_parallel` complete the layout the model is built for.
+
+    Generation has a layout of its own (rl/rollout_world.py): rollout groups of
+    `rollout_group_size` consecutive ranks, and `rollout_peers`, the group of the ranks that hold
+    this rank's position in every rollout group (the whole world when the size is 1).
+    `dp_ranks[r]` is the data-parallel rank of world rank r.
     """
 
     tp: dist.ProcessGroup
@@ -37,6 +43,9 @@ class ParallelGroups:
     pg_collection: ProcessGroupCollection
     vpp_size: int | None = None
     sequence_parallel: bool = False
+    rollout_group_size: int = 1
+    rollout_peers: dist.ProcessGroup | None = None
+    dp_ranks: tuple[int, ...] = ()
 
     @property
     def tp_size(self) -> int:
@@ -92,8 +101,9 @@ class ParallelGroups:
 
 
 def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, sequence_parallel: bool = False,
-                          timeout_minutes: int | None = None) -> ParallelGroups:
-    """Create Megatron-Core's model-parallel groups for this world and return them.
+                          timeout_minutes: int | None = None, rollout_tp: int = 1) -> ParallelGroups:
+    """Create Megatron-Core's model-parallel groups for this world, and the rollout groups of
+    `rollout_tp` ranks (rollout.tensor_parallel_size), and return them.
 
     Call once per process, after `torch.distributed.init_process_group`. The data-parallel size
     is world_size / (tp * pp * cp). `timeout_minutes`: the collective timeout of every group
@@ -109,6 +119,9 @@ def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, 
     if vpp is not None and (vpp < 1 or (pp == 1 and vpp > 1)):
         raise ValueError(f"parallel.vpp={vpp} needs pipeline parallelism (pp > 1) and vpp >= 1, or vpp: null")
     world_size = dist.get_world_size()
+    if rollout_tp < 1 or world_size % rollout_tp:
+        raise ValueError(f"rollout.tensor_parallel_size={rollout_tp} must divide the world size {world_size} (every "
+                         "rank belongs to one rollout engine); launch a multiple of it or change it")
     model_parallel = tp * pp * cp
     if world_size % model_parallel:
         raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = "
@@ -123,16 +136,36 @@ def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, 
         context_parallel_size=cp,
         **({} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}),
     )
+    dp = parallel_state.get_data_parallel_group()
+    dp_ranks: list[int] = [0] * world_size
+    dist.all_gather_object(dp_ranks, dist.get_rank(dp))
     return ParallelGroups(
         tp=parallel_state.get_tensor_model_parallel_group(),
         pp=parallel_state.get_pipeline_model_parallel_group(),
         cp=parallel_state.get_context_parallel_group(),
-        dp=parallel_state.get_data_parallel_group(),
+        dp=dp,
         dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         vpp_size=vpp,
         sequence_parallel=sequence_parallel,
+        rollout_group_size=rollout_tp,
+        rollout_peers=_rollout_peers(rollout_tp, timeout_minutes),
+        dp_ranks=tuple(dp_ranks),
     )
+
+
+def _rollout_peers(group_size: int, timeout_minutes: int | None) -> dist.ProcessGroup:
+    """This rank's peers in the other rollout groups: ranks with the same index in theirs."""
+    world_size = dist.get_world_size()
+    if group_size == 1:
+        return dist.group.WORLD
+    timeout = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
+    mine = None
+    for member in range(group_size):  # every rank takes part in creating every group
+        group = dist.new_group(list(range(member, world_size, group_size)), **timeout)
+        if dist.get_rank() % group_size == member:
+            mine = group
+    return mine
 
 
 def destroy_parallel_groups() -> None:

@@ -17,7 +17,7 @@ from ..data.tasks import DataSettings, build_task
 from ..model.config import ModelConfig
 from ..parallel.layout import ParallelSettings
 from ..rl.settings import AlgorithmSettings, TrainerSettings
-from ..rollout.base import RolloutConfig
+from ..rollout.base import RolloutConfig, engine_max_model_len
 from ..settings import from_mapping
 from ..training.losses import LossConfig
 from ..training.optimizer import OptimSettings
@@ -50,6 +50,7 @@ class Recipe:
         """Validate the whole run against the launch; returns the data-parallel size."""
         dp = self.check_model_layout(world_size)
         self._check_task()
+        self._check_rollout(world_size)
         prompts = self.data.prompts_per_step
         if prompts % dp:
             raise ValueError(f"data.prompts_per_step={prompts} must be divisible by the data-parallel size {dp} "
@@ -97,6 +98,20 @@ class Recipe:
                              f"data.max_prompt_length {prompt} + rollout.max_new_tokens {self.rollout.max_new_tokens}"
                              f", padded to a multiple of {multiple}, is {longest} tokens per context-parallel rank; "
                              f"set it to at least {longest}")
+
+    def _check_rollout(self, world_size: int) -> None:
+        """The rollout engine against the launch and the model: installed, its tensor-parallel
+        size dividing the world, a precision it runs, a context that holds prompt + response."""
+        rollout = self.rollout
+        if world_size % rollout.tensor_parallel_size:
+            raise ValueError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} must divide the world size "
+                             f"{world_size} (every rank belongs to one rollout engine): launch a multiple of it or "
+                             "change it")
+        engine_max_model_len(rollout, self.data.max_prompt_length, self.model.max_position_embeddings)
+        if rollout.engine == "vllm":
+            from ..rollout.vllm_engine import check_vllm_settings
+
+            check_vllm_settings(rollout, self.model)
 
     def _check_overlong(self) -> None:
         overlong, limit = self.algorithm.overlong_penalty, self.rollout.max_new_tokens

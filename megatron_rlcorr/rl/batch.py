@@ -1,5 +1,5 @@
-"""The training batch of one data-parallel rank: built from rollouts, sliced into mini-batches, and
-shared with the other ranks of its model-parallel group.
+"""The training batch of one data-parallel replica: built from its share of the step's rollouts
+(every rank of the replica builds the same one) and sliced into mini-batches.
 
 Layout (right padding with PAD = 0): row i holds prompt_i + response_i; position t predicts
 tokens[t + 1] (`targets_BT`), so the response occupies positions [len(prompt) - 1, len(seq) - 2].
@@ -13,9 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..parallel.groups import ParallelGroups
 from .sampling import RolloutGroups
 from ..training.step import StepBatch
 
@@ -76,42 +74,3 @@ def padded_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence
 def slice_batch(batch: StepBatch, start: int, end: int) -> StepBatch:
     """Rows [start, end) of every field."""
     return StepBatch(**{name: getattr(batch, name)[start:end] for name in _FIELDS})
-
-
-def is_rollout_source(groups: ParallelGroups) -> bool:
-    """The rank that generates for its data-parallel replica: TP, CP and PP rank 0."""
-    return groups.tp_rank == 0 and groups.cp_rank == 0 and groups.pp_rank == 0
-
-
-def share_in_model_parallel(batch: StepBatch | None, per_sequence: torch.Tensor | None, extras: torch.Tensor | None,
-                            groups: ParallelGroups, *, num_columns: int, num_extras: int,
-                            device: torch.device | str = "cpu") -> tuple[StepBatch, torch.Tensor, torch.Tensor]:
-    """Send the source rank's batch, a float64 [B, num_columns] table of per-sequence values and a
-    float64 vector of `num_extras` values to every rank of its model-parallel group (all TP, CP
-    and PP ranks of the same data-parallel rank).
-
-    Broadcasts along PP, then CP, then TP, each from the group's rank 0; a rank joins a stage only
-    when that stage's source already holds the data, so no group ever broadcasts garbage.
-    """
-    source = is_rollout_source(groups)
-    if source:
-        header = torch.tensor(batch.tokens_BT.shape, dtype=torch.int64, device=device)
-        tensors = [getattr(batch, name).to(device) for name in _FIELDS]
-        tensors += [per_sequence.to(device, torch.float64), extras.to(device, torch.float64)]
-    for group, joins in ((groups.pp, groups.tp_rank == 0 and groups.cp_rank == 0),
-                         (groups.cp, groups.tp_rank == 0), (groups.tp, True)):
-        if dist.get_world_size(group) == 1 or not joins:
-            continue
-        if not source:
-            header = torch.empty(2, dtype=torch.int64, device=device)
-        root = dist.get_global_rank(group, 0)
-        dist.broadcast(header, root, group=group)
-        if not source:
-            shape = tuple(header.tolist())
-            tensors = [torch.empty(shape, dtype=_DTYPES.get(name, torch.float32), device=device) for name in _FIELDS]
-            tensors.append(torch.empty(shape[0], num_columns, dtype=torch.float64, device=device))
-            tensors.append(torch.empty(num_extras, dtype=torch.float64, device=device))
-        for tensor in tensors:
-            dist.broadcast(tensor, root, group=group)
-        source = True  # holders are always their later groups' rank 0
-    return StepBatch(**dict(zip(_FIELDS, tensors[:-2]))), tensors[-2], tensors[-1]

@@ -1,13 +1,15 @@
 """One step's rollouts for one data-parallel rank: prompts -> responses -> rewards -> DAPO dynamic sampling.
 
-Reproducibility: every random draw uses a fresh generator seeded from (run seed, purpose, step,
-data-parallel rank, round), so step s draws the same prompts and samples whether the run got
-there uninterrupted or resumed from a checkpoint; the caller supplies each round's prompts (a
-dataset's round 0 from its checkpointed read position, everything else drawn this way).
+Reproducibility: every random draw is seeded from the run seed and a path of names and numbers
+(`derive_seed`): a round's prompts from (seed, step, round), a prompt's samples from (seed, step,
+round, prompt index). Step s draws the same prompts and samples whether the run got there
+uninterrupted or resumed from a checkpoint, and under every parallel layout (rl/rollout_world.py
+spreads the prompts over the engines); the caller supplies each round's prompts (a dataset's round
+0 from its checkpointed read position, everything else drawn this way).
 
-Dynamic sampling (verl's filter_groups) keeps the per-rank batch at exactly `num_groups` prompt
-groups (the training step's collectives and normalisers expect the same micro-batch count on
-every rank):
+Dynamic sampling (verl's filter_groups) runs on the step's whole batch, the same on every rank,
+and keeps it at exactly `num_groups` prompt groups (every data-parallel replica then trains on
+the same number of sequences):
 - the first generation batch has `num_groups` groups; groups whose `metric` (acc, score or
   reward) is the same for all their samples are dropped;
 - more batches, sized by the keep rate seen so far, follow until `num_groups` informative groups
@@ -50,22 +52,34 @@ def seeded_generator(base: int, *parts: object, device: torch.device | str = "cp
 
 @dataclass
 class RolloutGroups:
-    """G prompt groups of n samples each; sample j of group g is at flat index g * n + j."""
+    """G prompt groups of n samples each; sample j of group g is at flat index g * n + j.
 
-    prompts: list[Prompt]               # [G]
-    response_ids: list[list[int]]       # [G * n]
-    logprobs: list[torch.Tensor]        # [G * n], float32 per response token (engine numerics)
-    finish_reasons: list[str]           # [G * n]
-    scores_GN: torch.Tensor             # task reward
-    rewards_GN: torch.Tensor            # score + overlong penalty: what advantages are computed from
-    acc_GN: torch.Tensor                # 1.0 for a right answer (the reward's own "acc", else score >= 1)
+    Under all-rank generation a rank holds the statistics of every group but the tokens and
+    log-probs only of those its engine generated: the others' `response_ids` and `logprobs` are
+    None until rollout_world.share_of_replica fetches them. `source_G` is the rollout group that
+    generated each group.
+    """
+
+    prompts: list[Prompt]                   # [G]
+    response_ids: list[list[int] | None]    # [G * n]
+    logprobs: list[torch.Tensor | None]     # [G * n], float32 per response token (engine numerics)
+    finish_reasons: list[str]               # [G * n]
+    scores_GN: torch.Tensor                 # task reward
+    rewards_GN: torch.Tensor                # score + overlong penalty: what advantages are computed from
+    acc_GN: torch.Tensor                    # 1.0 for a right answer (the reward's own "acc", else score >= 1)
     # Fillers: uninformative groups that keep the batch's shape when dynamic sampling runs out of
     # batches. They take part in nothing: no advantage, no normaliser, no mean, no metric.
     filler_G: torch.Tensor | None = None
+    lengths_B: torch.Tensor | None = None   # [G * n] response lengths (from response_ids when None)
+    source_G: torch.Tensor | None = None    # [G] int64, 0 when None
 
     def __post_init__(self) -> None:
         if self.filler_G is None:
             self.filler_G = torch.zeros(len(self.prompts), dtype=torch.bool)
+        if self.lengths_B is None:
+            self.lengths_B = torch.tensor([len(r) for r in self.response_ids], dtype=torch.int64)
+        if self.source_G is None:
+            self.source_G = torch.zeros(len(self.prompts), dtype=torch.int64)
 
     @property
     def n(self) -> int:
@@ -78,7 +92,7 @@ class RolloutGroups:
         return [p.ids for p in self.prompts for _ in range(self.n)]
 
     def response_lengths(self) -> torch.Tensor:
-        return torch.tensor([len(r) for r in self.response_ids], dtype=torch.float32)
+        return self.lengths_B.float()
 
     def metric_GN(self, metric: str) -> torch.Tensor:
         """The dynamic-sampling metric: acc, score, or reward (score + overlong penalty)."""
@@ -95,6 +109,8 @@ class RolloutGroups:
             rewards_GN=self.rewards_GN[group_idx].reshape(len(group_idx), self.n),
             acc_GN=self.acc_GN[group_idx].reshape(len(group_idx), self.n),
             filler_G=self.filler_G[group_idx].reshape(len(group_idx)),
+            lengths_B=self.lengths_B[rows].reshape(len(rows)),
+            source_G=self.source_G[group_idx].reshape(len(group_idx)),
         )
 
     def as_fillers(self) -> "RolloutGroups":
@@ -111,6 +127,8 @@ class RolloutGroups:
             rewards_GN=torch.cat([part.rewards_GN for part in parts]),
             acc_GN=torch.cat([part.acc_GN for part in parts]),
             filler_G=torch.cat([part.filler_G for part in parts]),
+            lengths_B=torch.cat([part.lengths_B for part in parts]),
+            source_G=torch.cat([part.source_G for part in parts]),
         )
 
 
@@ -126,11 +144,11 @@ def score_response(task: Task, prompt: Prompt, response_ids: list[int]) -> tuple
 
 
 def generate_groups(engine: RolloutEngine, task: Task, prompts: list[Prompt], *, rollout: RolloutConfig,
-                    overlong: OverlongPenalty, sample_generator: torch.Generator) -> RolloutGroups:
-    """Sample `rollout.n` responses for each prompt and score them."""
+                    overlong: OverlongPenalty, seeds: list[int]) -> RolloutGroups:
+    """Sample `rollout.n` responses for each prompt (prompt i's from seeds[i]) and score them."""
     n, num_prompts = rollout.n, len(prompts)
-    out = engine.generate([p.ids for p in prompts for _ in range(n)], max_new_tokens=rollout.max_new_tokens,
-                          temperature=rollout.temperature, top_p=rollout.top_p, generator=sample_generator)
+    out = engine.sample_groups([p.ids for p in prompts], n=n, seeds=seeds, max_new_tokens=rollout.max_new_tokens,
+                               temperature=rollout.temperature, top_p=rollout.top_p)
     scored = [score_response(task, prompts[i // n], response) for i, response in enumerate(out.response_ids)]
     scores_GN, acc_GN = torch.tensor(scored, dtype=torch.float32).reshape(num_prompts, n, 2).unbind(-1)
     rewards_GN = scores_GN

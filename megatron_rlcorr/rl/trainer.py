@@ -1,21 +1,22 @@
 """The RL loop users launch: rollouts -> advantages -> (old log-probs) -> PPO epochs -> new weights to the engine.
 
 One step:
-1. Rollouts. On each data-parallel (DP) replica, its TP/CP/PP rank 0 takes the replica's share
-   of prompts (a dataset's next prompts in its epoch order, or a built-in task's draw), samples `rollout.n` responses per prompt with the rollout engine, scores them,
-   applies the overlong penalty and DAPO dynamic sampling (sampling.py), computes GRPO/RLOO
-   advantages and builds the padded batch (batch.py); the batch is then broadcast to the other
-   ranks of the replica, so every TP/CP/PP rank trains on identical rollouts.
+1. Rollouts, on every rank (rollout_world.py). The step's prompts (a dataset's next prompts in its
+   epoch order, or a built-in task's draw) are spread over the rollout engines, each samples
+   `rollout.n` responses per prompt and scores them with the overlong penalty; DAPO dynamic
+   sampling (sampling.py) then picks the step's batch from every engine's statistics, and each
+   data-parallel (DP) replica receives the samples of its share, computes GRPO/RLOO advantages
+   and builds its padded batch (batch.py). The engines then sleep (vLLM frees its memory).
 2. Decoupled mode: pi_old log-probs by a forward pass before any update (bypass mode skips it).
 3. `ppo_epochs` passes over the batch in mini-batches, one optimizer step each.
-4. The updated weights are exported (full, neutral names) and loaded into the engine.
+4. The updated weights are streamed (model/weight_stream.py) into every rank's engine.
 
 Metrics are 0-d tensors until the once-per-step log. Checkpoints are Megatron-Core distributed
 checkpoints (training/checkpoint.py): model, optimizer, scheduler, RNG states, the step and a
 dataset's read position, resumable on any parallel layout (optionally written in the background:
-`trainer.async_save`). Prompt and sampling generators are derived from (seed, step, DP rank,
-round), so a run resumed on its own layout repeats the uninterrupted one exactly; on another
-layout it continues from the same weights and optimizer state. With `trainer.save_hf` the model is also written as a Hugging Face
+`trainer.async_save`). Prompts are drawn from (seed, step, round) and a prompt's samples from
+(seed, step, round, prompt index), so a resumed run repeats the uninterrupted one exactly, and
+runs on different layouts sample the same rollouts from the same weights. With `trainer.save_hf` the model is also written as a Hugging Face
 checkpoint at the end (model/hf.py).
 """
 from __future__ import annotations
@@ -32,29 +33,31 @@ import yaml
 from ..data.datasets import PromptDataset
 from ..data.tasks import DataSettings, Prompt, build_task
 from ..model.config import ModelConfig
-from ..model.weight_stream import MiB, drain, flatten, weight_buckets
+from ..model.weight_stream import MiB, flatten, weight_buckets
 from ..parallel.groups import ParallelGroups
 from ..parallel.layout import ParallelSettings
 from ..rollout import RolloutConfig, make_engine
+from ..rollout.base import engine_max_model_len
 from ..training import checkpoint
 from ..training.optimizer import OptimSettings, build_model_and_optimizer, sync_params
 from ..training.reference import ReferencePolicy
 from ..training.step import (StepBatch, StepConfig, StepCorrection, StepResult, broadcast_from_last_stage,
                              compute_old_log_probs, step_correction, train_minibatch)
 from .advantages import group_advantages
-from .batch import build_step_batch, is_rollout_source, share_in_model_parallel, slice_batch
+from .batch import build_step_batch, slice_batch
 from .kl_reward import KLController, kl_penalised_rewards
 from .progress import MetricsLogger
-from .sampling import RolloutGroups, dynamic_sample, generate_groups, seeded_generator
+from .rollout_world import sample_round, share_of_replica
+from .sampling import RolloutGroups, SamplingStats, derive_seed, dynamic_sample, seeded_generator
 from .settings import AlgorithmSettings, TrainerSettings
 
-# Per-rank sums sent from the rollout source to its replica, then summed over DP. "batch_*",
-# response and token counts are over the trained batch without its fillers.
+# Sums over the step's whole batch (the same on every rank). "batch_*", response and token counts
+# are over the trained batch without its fillers.
 _ROLLOUT_SUMS = ("round0_score", "round0_acc", "round0_samples", "batch_reward", "batch_score", "batch_acc",
                  "batch_samples", "response_tokens", "eos_samples", "invalid_tokens", "all_tokens", "gen_batches",
-                 "informative_fraction", "filler_fraction", "replicas", "exhausted", "dropped_long_prompts",
+                 "informative_fraction", "filler_fraction", "exhausted", "dropped_long_prompts",
                  "skipped_bad_rows", "generated_tokens")
-_ROLLOUT_MAXIMA = ("response_length_max",)  # reduced with MAX over DP, the sums with SUM
+_ROLLOUT_MAXIMA = ("response_length_max",)
 
 
 class RunSettings(Protocol):
@@ -92,7 +95,6 @@ class Trainer:
         # A dataset is read in order (its position is in every checkpoint); built-in tasks draw.
         self.dataset = self.task if isinstance(self.task, PromptDataset) else None
         self.data_position = 0
-        self.groups_per_rank = recipe.data.prompts_per_step // self.dp_size
         trainer = recipe.trainer
         self.model, self.optimizer, self.scheduler = build_model_and_optimizer(
             recipe.model, recipe.optim, groups, seed=trainer.seed, total_steps=trainer.steps)
@@ -106,11 +108,16 @@ class Trainer:
                           if algo.uses_reference else None)
         self.kl_controller = KLController(algo.kl_in_reward) if algo.kl_in_reward.enabled else None
         self.writer = checkpoint.CheckpointWriter(async_save=trainer.async_save)
-        self.engine = None
-        if is_rollout_source(groups):
-            tok = self.task.tokenizer
-            self.engine = make_engine(recipe.rollout, recipe.model.decoder_shape, eos_token_id=tok.eos_ids,
-                                      pad_token_id=tok.pad_id, device=self.device)
+        if groups.rollout_group_size != recipe.rollout.tensor_parallel_size:
+            raise ValueError(f"the process groups were built for rollout groups of {groups.rollout_group_size} ranks "
+                             f"but rollout.tensor_parallel_size={recipe.rollout.tensor_parallel_size}: build them with "
+                             "build_parallel_groups(..., rollout_tp=rollout.tensor_parallel_size)")
+        tok = self.task.tokenizer
+        max_model_len = engine_max_model_len(recipe.rollout, recipe.data.max_prompt_length,
+                                             recipe.model.max_position_embeddings)
+        self.engine = make_engine(recipe.rollout, recipe.model, eos_token_id=tok.eos_ids, pad_token_id=tok.pad_id,
+                                  device=self.device, token_vocab_size=tok.vocab_size, max_model_len=max_model_len,
+                                  seed=trainer.seed)
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -198,52 +205,55 @@ class Trainer:
         return dataclasses.replace(batch, advantages_BT=advantages_BT.to(batch.advantages_BT.device)), metrics
 
     def _step_prompts(self) -> tuple[list[Prompt] | None, dict[str, torch.Tensor]]:
-        """This DP rank's round-0 prompts from the dataset (None for built-in tasks) and the data
+        """The step's round-0 prompts from the dataset (None for built-in tasks) and the data
         metrics. Every rank reads the same `prompts_per_step` prompts from the same position, so
-        all agree on the next position (and checkpoint it); DP rank d keeps its d-th share."""
+        all agree on the next position (and checkpoint it)."""
         if self.dataset is None:
             return None, {}
         taken = self.dataset.take(self.data_position, self.recipe.data.prompts_per_step)
         self.data_position = taken.next_position
-        share = slice(self.groups.dp_rank * self.groups_per_rank, (self.groups.dp_rank + 1) * self.groups_per_rank)
         metrics = {"data/epoch": torch.tensor(self.data_position / self.dataset.num_rows),
                    "data/round0_dropped_long_prompts": torch.tensor(float(taken.dropped_long)),
                    "data/round0_skipped_bad_rows": torch.tensor(float(taken.skipped_bad))}
-        return taken.prompts[share], metrics
+        return taken.prompts, metrics
 
     def rollouts(self, step: int, step_prompts: list[Prompt] | None = None
                  ) -> tuple[StepBatch, torch.Tensor, dict[str, torch.Tensor]]:
         """This DP replica's StepBatch and per-sequence rewards (identical on its TP/CP/PP ranks),
-        and the rollout stats over DP (sums, and maxima)."""
-        batch = rewards = local_stats = None
-        if self.engine is not None:
-            batch, rewards, local_stats = self._generate(step, step_prompts)
-        batch, rewards, stats_vec = share_in_model_parallel(
-            batch, rewards, local_stats, self.groups, num_columns=1, num_extras=len(_ROLLOUT_SUMS) + len(_ROLLOUT_MAXIMA),
-            device=self.device)
-        sums_vec, maxima_vec = stats_vec[:len(_ROLLOUT_SUMS)].clone(), stats_vec[len(_ROLLOUT_SUMS):].clone()
-        dist.all_reduce(sums_vec, group=self.groups.dp)
-        dist.all_reduce(maxima_vec, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        sums = {**dict(zip(_ROLLOUT_SUMS, sums_vec.unbind())), **dict(zip(_ROLLOUT_MAXIMA, maxima_vec.unbind()))}
-        sampling = self.recipe.algorithm.dynamic_sampling
-        if sampling.on_exhausted == "error" and bool(sums["exhausted"] > 0):  # the same decision on every rank
+        and the rollout statistics of the step's whole batch."""
+        batch, first, stats, dropped, generated_tokens = self.sample_step(step, step_prompts)
+        self.engine.sleep()  # the trainer needs the memory now
+        share = share_of_replica(batch, self.groups, device=self.device)
+        algo = self.recipe.algorithm
+        advantages_B = group_advantages(share.rewards_GN, algo.advantage_estimator, algo.norm_adv_by_std).reshape(-1)
+        step_batch, invalid = build_step_batch(share, advantages_B)
+        invalid = invalid.to(self.device, torch.float64)
+        dist.all_reduce(invalid, group=self.groups.dp)
+        sums = dict(zip(_ROLLOUT_SUMS, rollout_sums(batch, first, stats, invalid.cpu(), dropped,
+                                                    generated_tokens).unbind()))
+        sums.update(zip(_ROLLOUT_MAXIMA, rollout_maxima(batch).unbind()))
+        sampling = algo.dynamic_sampling
+        if sampling.on_exhausted == "error" and stats.exhausted:  # the same decision on every rank
             raise RuntimeError(f"step {step}: dynamic sampling reached max_num_gen_batches="
                                f"{sampling.max_num_gen_batches} before finding data.prompts_per_step informative "
-                               "groups on at least one data-parallel rank (algorithm.dynamic_sampling.on_exhausted: "
-                               "error, verl's behaviour). The data may be too hard or too easy for the policy: raise "
-                               "max_num_gen_batches (0 = no limit), or set on_exhausted: fill to complete the batch "
-                               "with inert groups")
-        return batch, rewards[:, 0], sums
+                               "groups (algorithm.dynamic_sampling.on_exhausted: error, verl's behaviour). The data "
+                               "may be too hard or too easy for the policy: raise max_num_gen_batches (0 = no "
+                               "limit), or set on_exhausted: fill to complete the batch with inert groups")
+        step_batch = StepBatch(**{f.name: getattr(step_batch, f.name).to(self.device)
+                                  for f in dataclasses.fields(StepBatch)})
+        return step_batch, share.rewards_GN.reshape(-1).double(), sums
 
-    def _generate(self, step: int, step_prompts: list[Prompt] | None
-                  ) -> tuple[StepBatch, torch.Tensor, torch.Tensor]:
-        recipe, dp_rank = self.recipe, self.groups.dp_rank
-        seed = recipe.trainer.seed
-        dropped = {"long": 0, "bad": 0}  # prompts the top-up rounds skipped
+    def sample_step(self, step: int, step_prompts: list[Prompt] | None
+                    ) -> tuple[RolloutGroups, RolloutGroups, SamplingStats, dict[str, int], int]:
+        """The step's whole batch after dynamic sampling (the same on every rank, tokens only
+        where generated: rollout_world.py), round 0's groups, the sampling stats, the prompts the
+        top-up rounds skipped, and the tokens generated over all rounds. Collective over the world."""
+        recipe, seed = self.recipe, self.recipe.trainer.seed
+        dropped = {"long": 0, "bad": 0}
         generated = {"tokens": 0}
 
         def draw(round_: int, num_prompts: int) -> RolloutGroups:
-            prompt_generator = seeded_generator(seed, "prompts", step, dp_rank, round_)
+            prompt_generator = seeded_generator(seed, "prompts", step, round_)
             if round_ == 0 and step_prompts is not None:
                 prompts = step_prompts
             elif self.dataset is not None:  # top-up rounds draw at random, off the epoch order
@@ -252,20 +262,14 @@ class Trainer:
                                                             dropped["bad"] + drawn.skipped_bad)
             else:
                 prompts = self.task.sample_prompts(num_prompts, prompt_generator)
-            drawn = generate_groups(
-                self.engine, self.task, prompts, rollout=recipe.rollout, overlong=recipe.algorithm.overlong_penalty,
-                sample_generator=seeded_generator(seed, "samples", step, dp_rank, round_, device=self.device))
-            generated["tokens"] += int(drawn.response_lengths().sum())  # every round's, for tokens/s
+            seeds = [derive_seed(seed, "samples", step, round_, i) for i in range(len(prompts))]
+            drawn = sample_round(self.engine, self.task, prompts, seeds, rollout=recipe.rollout,
+                                 overlong=recipe.algorithm.overlong_penalty, groups=self.groups, device=self.device)
+            generated["tokens"] += int(drawn.lengths_B.sum())  # every round's, for tokens/s
             return drawn
 
-        algo = recipe.algorithm
-        rollouts, first, stats = dynamic_sample(draw, self.groups_per_rank, algo.dynamic_sampling)
-        advantages_B = group_advantages(rollouts.rewards_GN, algo.advantage_estimator, algo.norm_adv_by_std).reshape(-1)
-        batch, invalid = build_step_batch(rollouts, advantages_B)
-        rewards_B1 = rollouts.rewards_GN.reshape(-1, 1).double()
-        stats_vec = torch.cat([rollout_sums(rollouts, first, stats, invalid, dropped, generated["tokens"]),
-                               rollout_maxima(rollouts)])
-        return batch, rewards_B1, stats_vec
+        batch, first, stats = dynamic_sample(draw, recipe.data.prompts_per_step, recipe.algorithm.dynamic_sampling)
+        return batch, first, stats, dropped, generated["tokens"]
 
     def _update(self, batch: StepBatch, old_log_probs: torch.Tensor | None, ref_log_probs: torch.Tensor | None,
                 correction: StepCorrection | None) -> list[StepResult]:
@@ -288,16 +292,15 @@ class Trainer:
         return results
 
     def _push_weights(self) -> None:
-        """Stream the weights to the engine (model/weight_stream.py): collective over TP and PP,
-        so every rank drains the stream; only rollout sources keep it."""
+        """Stream the weights into every rank's engine (model/weight_stream.py: collective over
+        TP and PP), waking its memory first: the weights' before loading, the KV cache's after."""
         sync_params(self.model)
         rollout = self.recipe.rollout
         buckets = weight_buckets(self.model, self.groups, dtype=rollout.weight_dtype,
-                                 bucket_bytes=rollout.weight_sync_bucket_mb * MiB)
-        if self.engine is not None:
-            self.engine.load_weights(flatten(buckets))
-        else:
-            drain(buckets)
+                                 bucket_bytes=rollout.weight_sync_bucket_mb * MiB, hf_names=rollout.engine == "vllm")
+        self.engine.wake_up(["weights"])
+        self.engine.load_weights(flatten(buckets))
+        self.engine.wake_up(["kv_cache"])
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
@@ -369,9 +372,9 @@ class Trainer:
 
 def rollout_sums(rollouts: RolloutGroups, first: RolloutGroups, stats, invalid: torch.Tensor,
                  dropped: dict[str, int], generated_tokens: int) -> torch.Tensor:
-    """This rank's float64 vector of _ROLLOUT_SUMS: round 0's samples as generated; the trained
-    batch's without its fillers, which take part in no mean; the response tokens of every
-    generation round."""
+    """The float64 vector of _ROLLOUT_SUMS of the step's batch: round 0's samples as generated;
+    the trained batch's without its fillers, which take part in no mean; the response tokens of
+    every generation round."""
     real = ~rollouts.filler_G
     lengths_GN = rollouts.response_lengths().reshape(-1, rollouts.n)
     eos_GN = torch.tensor([r == "eos" for r in rollouts.finish_reasons]).reshape(-1, rollouts.n)
@@ -379,19 +382,19 @@ def rollout_sums(rollouts: RolloutGroups, first: RolloutGroups, stats, invalid: 
             rollouts.scores_GN[real].sum(), rollouts.acc_GN[real].sum(), rollouts.scores_GN[real].numel(),
             lengths_GN[real].sum(), eos_GN[real].sum(), invalid,
             sum(len(p) for p in rollouts.prompt_ids()) + lengths_GN.sum(), stats.gen_batches,
-            stats.informative_fraction, stats.filler_fraction, 1, stats.exhausted, dropped["long"], dropped["bad"],
+            stats.informative_fraction, stats.filler_fraction, stats.exhausted, dropped["long"], dropped["bad"],
             generated_tokens]
     return torch.tensor([float(x) for x in sums], dtype=torch.float64)
 
 
 def rollout_maxima(rollouts: RolloutGroups) -> torch.Tensor:
-    """This rank's float64 vector of _ROLLOUT_MAXIMA over the trained batch without its fillers."""
+    """The float64 vector of _ROLLOUT_MAXIMA over the step's batch without its fillers."""
     lengths = rollouts.response_lengths().reshape(-1, rollouts.n)[~rollouts.filler_G]
     return torch.tensor([float(lengths.max()) if lengths.numel() else 0.0], dtype=torch.float64)
 
 
 def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    samples, replicas = sums["batch_samples"].clamp(min=1), sums["replicas"]
+    samples = sums["batch_samples"].clamp(min=1)
     valid_tokens = sums["response_tokens"] - sums["invalid_tokens"]
     return {
         "reward_mean": sums["round0_score"] / sums["round0_samples"],
@@ -403,9 +406,9 @@ def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "response_length_max": sums["response_length_max"],
         "response/clip_fraction": 1 - sums["eos_samples"] / samples,  # truncated at max_new_tokens
         "rollout_corr/invalid_rollout_token_fraction": sums["invalid_tokens"] / sums["response_tokens"].clamp(min=1),
-        "dynamic_sampling/num_gen_batches": sums["gen_batches"] / replicas,
-        "dynamic_sampling/informative_fraction": sums["informative_fraction"] / replicas,
-        "dynamic_sampling/filler_fraction": sums["filler_fraction"] / replicas,
+        "dynamic_sampling/num_gen_batches": sums["gen_batches"],
+        "dynamic_sampling/informative_fraction": sums["informative_fraction"],
+        "dynamic_sampling/filler_fraction": sums["filler_fraction"],
         "batch/valid_response_tokens": valid_tokens,
         "data/topup_dropped_long_prompts": sums["dropped_long_prompts"],
         "data/topup_skipped_bad_rows": sums["skipped_bad_rows"],

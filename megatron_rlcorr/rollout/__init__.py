@@ -1,28 +1,34 @@
-"""Rollout engines: the interface, the embedded (precision-emulating) engine and the factory."""
+"""Rollout engines: the interface, the embedded (precision-emulating) engine, the vLLM adapter and
+the factory."""
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from collections.abc import Sequence
-
-from ..model.architecture import DecoderShape
 from .base import RolloutBatch, RolloutConfig, RolloutEngine
 from .embedded import EmbeddedEngine, random_weights
+
+if TYPE_CHECKING:
+    from ..model.config import ModelConfig
 
 __all__ = ["EmbeddedEngine", "RolloutBatch", "RolloutConfig", "RolloutEngine", "make_engine", "random_weights"]
 
 
-def make_engine(cfg: RolloutConfig, shape: DecoderShape, *, eos_token_id: int | Sequence[int] | None,
-                pad_token_id: int = 0, device: torch.device | str = "cpu") -> RolloutEngine:
-    """The engine `cfg.engine` names, running `cfg.precision`; weights come later via load_weights."""
+def make_engine(cfg: RolloutConfig, model: ModelConfig, *, eos_token_id: int | Sequence[int] | None,
+                pad_token_id: int = 0, device: torch.device | str = "cpu", token_vocab_size: int | None = None,
+                max_model_len: int | None = None, seed: int = 0) -> RolloutEngine:
+    """The engine `cfg.engine` names, running `cfg.precision`; weights come later via load_weights.
+
+    vLLM also takes `model.hf_checkpoint` (its config and tokenizer), `token_vocab_size` (the
+    tokenizer's: rows of a padded vocabulary beyond it are never sampled), `max_model_len` and
+    `seed`; its import happens here, and only for engine: vllm.
+    """
     if cfg.engine == "embedded":
-        return EmbeddedEngine(shape, precision=cfg.precision, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                              logprobs=cfg.logprobs, device=device)
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise ImportError("rollout.engine='vllm' needs vLLM, which is not installed (the 'vllm' extra: "
-                          "pip install 'megatron-rlcorr[vllm]' on a GPU machine; vLLM pins its own torch "
-                          "version). Use rollout.engine='embedded' to run without it.") from None
-    raise NotImplementedError("rollout.engine='vllm': vLLM is installed, but this release has no adapter that "
-                              "pushes trainer weights into a vLLM engine; use rollout.engine='embedded'")
+        return EmbeddedEngine(model.decoder_shape, precision=cfg.precision, eos_token_id=eos_token_id,
+                              pad_token_id=pad_token_id, logprobs=cfg.logprobs, device=device)
+    from .vllm_engine import VLLMEngine
+
+    return VLLMEngine(cfg, model, eos_token_id=eos_token_id, token_vocab_size=token_vocab_size,
+                      max_model_len=max_model_len, seed=seed)

@@ -1,8 +1,12 @@
 """The rollout engine interface: what the trainer needs from vLLM or from the embedded engine.
 
-An engine receives the trainer's full weights after every optimizer step (`load_weights`) and
-samples responses (`generate`), reporting the log-probability its own numerics assign to every
-sampled token. Those log-probs are `rollout_log_prob` in the rollout correction.
+An engine receives the trainer's full weights after every optimizer step (`load_weights`, from a
+stream of (name, tensor) pairs) and samples `n` responses per prompt (`sample_groups`), reporting
+the log-probability its own numerics assign to every sampled token. Those log-probs are
+`rollout_log_prob` in the rollout correction. Each prompt comes with its own seed, and an engine
+must make a prompt's samples depend on that seed only (not on the other prompts of the call):
+that is what makes rollouts identical under every parallel layout (rl/rollout_world.py).
+Engines that hold accelerator memory give it back while the trainer runs (`sleep`, `wake_up`).
 
 Log-prob convention (`RolloutConfig.logprobs`):
 - "tempered" (default): log_softmax(logits / temperature) of the sampled token, BEFORE top-p
@@ -17,7 +21,7 @@ Log-prob convention (`RolloutConfig.logprobs`):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -39,8 +43,12 @@ LOGPROBS_MODES: tuple[str, ...] = ("tempered", "processed")
 class RolloutConfig:
     """The `rollout` section of a recipe.
 
-    `n` is the number of samples per prompt (the group size of GRPO/RLOO); engines generate one
-    response per prompt they are given, so callers repeat each prompt `n` times.
+    `n` is the number of samples per prompt (the group size of GRPO/RLOO). Every rank generates:
+    the world is cut into rollout groups of `tensor_parallel_size` consecutive ranks, each runs one
+    engine (1 for the embedded engine, which holds the whole model on its rank). The vLLM engine
+    also reads `gpu_memory_utilization`, `sleep_level` (0: stay resident; 1: weights to host
+    memory during training; 2: drop them, they are re-synced anyway) and `max_model_len` (None:
+    the prompt limit plus `max_new_tokens`).
     """
 
     engine: EngineName = "embedded"
@@ -51,6 +59,10 @@ class RolloutConfig:
     n: int = 8
     logprobs: LogprobsMode = "tempered"
     weight_sync_bucket_mb: int = 512  # the weight stream to the engine moves this much at a time
+    tensor_parallel_size: int = 1     # ranks per rollout group (one engine each)
+    gpu_memory_utilization: float = 0.6
+    sleep_level: int = 2
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, ENGINES)
@@ -67,12 +79,46 @@ class RolloutConfig:
         if self.weight_sync_bucket_mb < 1:
             raise ValueError(f"weight_sync_bucket_mb must be >= 1 (MiB per bucket of the weight stream), "
                              f"got {self.weight_sync_bucket_mb}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (ranks per rollout engine), got "
+                             f"{self.tensor_parallel_size}")
+        if self.engine == "embedded" and self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: the embedded engine runs the whole "
+                             "model on each rank; use tensor_parallel_size: 1, or engine: vllm for tensor parallelism")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (the share of GPU memory vLLM may take), got "
+                             f"{self.gpu_memory_utilization}")
+        if self.sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level must be 0 (stay resident), 1 (weights to host memory) or 2 (drop the "
+                             f"weights) while training, got {self.sleep_level}")
+        if self.max_model_len is not None and self.max_model_len < self.max_new_tokens + 1:
+            raise ValueError(f"max_model_len={self.max_model_len} leaves no room for a prompt and max_new_tokens="
+                             f"{self.max_new_tokens}; raise it or leave it null (derived from the prompt limit)")
 
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype the weights travel in to the engine (every rank of the stream's collectives
         uses it)."""
         return weight_dtype(self.precision)
+
+
+def engine_max_model_len(cfg: RolloutConfig, max_prompt_length: int | None, max_positions: int) -> int:
+    """The longest prompt + response an engine must hold: `rollout.max_model_len`, else the
+    prompt limit plus `max_new_tokens`, else the model's positions. ValueError, naming the
+    settings, when the model cannot hold it."""
+    if max_prompt_length is not None and cfg.max_model_len is not None:
+        if max_prompt_length + cfg.max_new_tokens > cfg.max_model_len:
+            raise ValueError(f"rollout.max_model_len={cfg.max_model_len} is shorter than data.max_prompt_length "
+                             f"{max_prompt_length} + rollout.max_new_tokens {cfg.max_new_tokens}: raise it, or "
+                             "leave it null (derived from those two)")
+    length = cfg.max_model_len or (max_prompt_length + cfg.max_new_tokens if max_prompt_length is not None
+                                   else max_positions)
+    if length > max_positions:
+        raise ValueError(f"the rollout engine must hold {length} tokens (rollout.max_model_len, or "
+                         f"data.max_prompt_length + rollout.max_new_tokens) but the model has "
+                         f"max_position_embeddings={max_positions}: shorten data.max_prompt_length or "
+                         "rollout.max_new_tokens")
+    return length
 
 
 def weight_dtype(precision: Precision) -> torch.dtype:
@@ -122,7 +168,20 @@ class RolloutEngine(Protocol):
         (embed.weight, layers.{i}.q.weight, ..., lm_head.weight; a tied model's lm_head may be left out)."""
         ...
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, generator: torch.Generator | None = None) -> RolloutBatch:
-        """One sampled response per prompt; stops a sequence at EOS or after max_new_tokens."""
+    def sample_groups(self, prompts: Sequence[Sequence[int]], *, n: int, seeds: Sequence[int], max_new_tokens: int,
+                      temperature: float = 1.0, top_p: float = 1.0) -> RolloutBatch:
+        """`n` sampled responses per prompt, prompt-major (prompt i's sample j at row i * n + j); a
+        sequence stops at EOS or after max_new_tokens. Prompt i's samples are a function of the
+        weights, the prompt and seeds[i] alone: never of the other prompts of the call, so that
+        however the prompts are spread over engines the same samples come back."""
+        ...
+
+    def sleep(self) -> None:
+        """Free the accelerator memory generation holds while the trainer runs (a no-op where
+        nothing is held)."""
+        ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what `sleep` freed: "weights" (before `load_weights`), then "kv_cache"
+        (before generating); None: both."""
         ...

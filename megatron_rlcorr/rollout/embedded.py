@@ -280,6 +280,28 @@ class EmbeddedEngine:
             logits_BV = self._logits(hidden[:, -1])
         return _to_batch(prompts, torch.stack(sampled, 1), torch.stack(logprobs, 1), lengths, finished)
 
+    def sample_groups(self, prompts: Sequence[Sequence[int]], *, n: int, seeds: Sequence[int], max_new_tokens: int,
+                      temperature: float = 1.0, top_p: float = 1.0) -> RolloutBatch:
+        """`n` samples of each prompt (base.RolloutEngine.sample_groups). Each prompt's n rows are
+        generated as one batch of their own, with a generator seeded by its seed: batching
+        prompts together would let the others' padding and batch size change its float rounding,
+        and so its tokens."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"sample_groups: {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
+        parts = [self.generate([list(prompt)] * n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                               generator=torch.Generator(self.device).manual_seed(seed))
+                 for prompt, seed in zip(prompts, seeds)]
+        return RolloutBatch(prompt_ids=[p for part in parts for p in part.prompt_ids],
+                            response_ids=[r for part in parts for r in part.response_ids],
+                            logprobs=[x for part in parts for x in part.logprobs],
+                            finish_reasons=[f for part in parts for f in part.finish_reasons])
+
+    def sleep(self) -> None:
+        """Nothing to give back: the engine holds only its weights, which it needs."""
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Nothing was given back (see sleep)."""
+
     @torch.no_grad()
     def score(self, prompts: list[list[int]], responses: list[list[int]], *,
               temperature: float = 1.0) -> list[torch.Tensor]:

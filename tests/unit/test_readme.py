@@ -42,4 +42,8 @@ def test_the_hugging_face_recipe_example_loads(tiny_hf, tmp_path):
     assert recipe.model.hidden_size == 64 and recipe.data.reward == "dapo_math"
     with pytest.raises(ValueError, match="heads .* must be divisible by parallel.tp=4"):
         recipe.check_layout(8)  # the tiny model has 4 heads but 2 query groups: the layout check says so
-    assert load_recipe(tmp_path / "my_run.yaml", ["parallel.tp=2"]).check_layout(8) == 4
+    with pytest.raises(ValueError, match="max_position_embeddings=128"):  # 7B lengths on the 128-token tiny model
+        load_recipe(tmp_path / "my_run.yaml", ["parallel.tp=2"]).check_layout(8)
+    fits = ["parallel.tp=2", "data.max_prompt_length=64", "rollout.max_new_tokens=32",
+            "algorithm.overlong_penalty.buffer=8"]
+    assert load_recipe(tmp_path / "my_run.yaml", fits).check_layout(8) == 4

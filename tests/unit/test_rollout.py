@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rlcorr.model.architecture import DecoderShape
+from megatron_rlcorr.model.config import ModelConfig
+from megatron_rlcorr.rollout.base import engine_max_model_len
 from megatron_rlcorr.rollout import EmbeddedEngine, RolloutBatch, RolloutConfig, RolloutEngine, make_engine, random_weights
 from megatron_rlcorr.rollout.precision import E4M3_MAX, fp8_e4m3_qdq, round_to_e4m3
 
@@ -348,7 +350,10 @@ def test_decoder_shape_validation():
 @pytest.mark.parametrize("kwargs, field", [
     ({"engine": "vlm"}, "engine"), ({"precision": "fp16"}, "precision"), ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"n": 0}, "n "), ({"logprobs": "raw"}, "logprobs")])
+    ({"n": 0}, "n "), ({"logprobs": "raw"}, "logprobs"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 2}, "embedded engine runs the whole model"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"), ({"sleep_level": 3}, "sleep_level"),
+    ({"max_model_len": 8, "max_new_tokens": 8}, "max_model_len")])
 def test_rollout_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RolloutConfig(**kwargs)
@@ -359,12 +364,38 @@ def test_rollout_config_did_you_mean():
         RolloutConfig(engine="embeded")
 
 
+MODEL = ModelConfig(**{f.name: getattr(SHAPE, f.name) for f in dataclasses.fields(DecoderShape)})
+
+
 def test_make_engine(weights):
-    eng = make_engine(RolloutConfig(precision="fp8"), SHAPE, eos_token_id=EOS)
+    eng = make_engine(RolloutConfig(precision="fp8"), MODEL, eos_token_id=EOS)
     assert isinstance(eng, EmbeddedEngine) and isinstance(eng, RolloutEngine)
-    assert eng.precision == "fp8" and eng.eos_ids == (EOS,)
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="vllm.*not installed"):
-            make_engine(RolloutConfig(engine="vllm"), SHAPE, eos_token_id=EOS)
+    assert eng.precision == "fp8" and eng.eos_ids == (EOS,) and eng.shape == SHAPE
+
+
+def test_sample_groups_depend_on_the_prompt_and_its_seed_only(weights):
+    eng = engine(weights)
+    ps = prompts(3, min_len=2)
+    together = eng.sample_groups(ps, n=3, seeds=[11, 12, 13], max_new_tokens=6)
+    assert len(together) == 9 and together.prompt_ids[3:6] == [ps[1]] * 3
+    for i, p in enumerate(ps):  # alone, or after other prompts: the same samples, bit for bit
+        alone = eng.sample_groups([p], n=3, seeds=[11 + i], max_new_tokens=6)
+        assert alone.response_ids == together.response_ids[3 * i: 3 * i + 3]
+        for a, b in zip(alone.logprobs, together.logprobs[3 * i: 3 * i + 3]):
+            assert torch.equal(a, b)
+    other = eng.sample_groups(ps[:1], n=3, seeds=[99], max_new_tokens=6)
+    assert other.response_ids != together.response_ids[:3]  # the seed decides
+    assert len(set(map(tuple, together.response_ids[:3]))) > 1  # the n samples of a prompt differ
+    with pytest.raises(ValueError, match="one per prompt"):
+        eng.sample_groups(ps, n=2, seeds=[1], max_new_tokens=4)
+
+
+def test_engine_max_model_len_and_its_errors():
+    cfg = RolloutConfig(max_new_tokens=8)
+    assert engine_max_model_len(cfg, 64, 128) == 72
+    assert engine_max_model_len(cfg, None, 128) == 128  # no prompt limit: the model's positions
+    assert engine_max_model_len(RolloutConfig(max_new_tokens=8, max_model_len=100), 64, 128) == 100
+    with pytest.raises(ValueError, match="max_position_embeddings=64: shorten data.max_prompt_length"):
+        engine_max_model_len(cfg, 60, 64)
+    with pytest.raises(ValueError, match="rollout.max_model_len=70 is shorter than data.max_prompt_length 64"):
+        engine_max_model_len(RolloutConfig(max_new_tokens=8, max_model_len=70), 64, 128)

@@ -99,11 +99,13 @@ class _FixedEngine:
     def __init__(self, lengths):
         self.lengths = lengths
 
-    def generate(self, prompts, *, max_new_tokens, temperature, top_p, generator):
-        responses = [[3] * (self.lengths[i % len(self.lengths)] - 1) + [EOS_ID] for i in range(len(prompts))]
-        return RolloutBatch(prompt_ids=prompts, response_ids=responses,
+    def sample_groups(self, prompts, *, n, seeds, max_new_tokens, temperature, top_p):
+        assert len(seeds) == len(prompts)
+        rows = [p for p in prompts for _ in range(n)]
+        responses = [[3] * (self.lengths[i % len(self.lengths)] - 1) + [EOS_ID] for i in range(len(rows))]
+        return RolloutBatch(prompt_ids=rows, response_ids=responses,
                             logprobs=[torch.full((len(r),), -1.0) for r in responses],
-                            finish_reasons=["eos"] * len(prompts))
+                            finish_reasons=["eos"] * len(rows))
 
 
 def test_overlong_penalty_enters_rewards_but_not_scores():
@@ -113,11 +115,11 @@ def test_overlong_penalty_enters_rewards_but_not_scores():
     engine = _FixedEngine([2, 4, 6, 8])  # excess over 8 - 4: 0, 0, 2, 4 -> penalty 0, 0, -0.5, -1
     gen = torch.Generator().manual_seed(0)
     prompts = task.sample_prompts(2, gen)
-    groups = generate_groups(engine, task, prompts, rollout=cfg, overlong=overlong, sample_generator=gen)
+    groups = generate_groups(engine, task, prompts, rollout=cfg, overlong=overlong, seeds=[0, 1])
     torch.testing.assert_close(groups.rewards_GN - groups.scores_GN,
                                torch.tensor([[0.0, 0.0, -0.5, -1.0]] * 2))
     off = generate_groups(engine, task, prompts, rollout=cfg, overlong=OverlongPenalty(enabled=False),
-                          sample_generator=gen)
+                          seeds=[0, 1])
     assert torch.equal(off.rewards_GN, off.scores_GN)
     assert off.prompts == groups.prompts == prompts
 

@@ -1,0 +1,147 @@
+"""All-rank generation (rl/rollout_world.py): every rank generates, and a step's rollouts are the
+same under every parallel layout, down to the last token and log-prob bit."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+
+pytestmark = [pytest.mark.distributed]
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+# Dynamic sampling with top-up rounds: the later rounds' prompts are drawn and spread too.
+COMMON = ["data.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=6", "trainer.micro_batch_size=4",
+          "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_num_gen_batches=3",
+          "trainer.tensorboard=false"]
+
+
+def _view(groups):
+    """What a rollout is: prompts, tokens, log-probs, finish reasons, rewards, fillers."""
+    return {"prompts": [p.ids for p in groups.prompts], "responses": groups.response_ids,
+            "logprobs": [x.tolist() for x in groups.logprobs], "finish": groups.finish_reasons,
+            "rewards": groups.rewards_GN.tolist(), "fillers": groups.filler_G.tolist()}
+
+
+def _trainer_rollouts(rank, world_size, layouts):
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
+    from megatron_rlcorr.recipe import load_recipe
+    from megatron_rlcorr.rl.rollout_world import share_of_replica
+    from megatron_rlcorr.rl.trainer import Trainer
+
+    enable_cpu_megatron()
+    out = []
+    for overrides in layouts:
+        recipe = load_recipe(TINY, [*COMMON, *overrides])
+        p = recipe.parallel
+        groups = build_parallel_groups(p.tp, p.pp, p.cp, p.vpp)
+        try:
+            trainer = Trainer(recipe, groups)
+            trainer._push_weights()
+            views = []
+            for step in (1, 2):  # two steps: different prompts and seeds, same weights
+                batch, _, stats, _, generated = trainer.sample_step(step, None)
+                share = share_of_replica(batch, groups)
+                views.append({"share": _view(share), "dp_rank": groups.dp_rank, "dp_size": groups.dp_size,
+                              "gen_batches": stats.gen_batches, "generated": generated,
+                              "engine_ran": trainer.engine.weights is not None})
+            out.append(views)
+        finally:
+            destroy_parallel_groups()
+    return out
+
+
+def _slice(view, start, end, n):
+    rows = slice(start * n, end * n)
+    return {"prompts": view["prompts"][start:end], "responses": view["responses"][rows],
+            "logprobs": view["logprobs"][rows], "finish": view["finish"][rows],
+            "rewards": view["rewards"][start:end], "fillers": view["fillers"][start:end]}
+
+
+def test_one_process_dp2_tp2_pp2_and_cp2_sample_identical_rollouts():
+    layouts = {"dp2": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
+    (reference,), = run_distributed(_trainer_rollouts, 1, [[]])
+    per_rank = run_distributed(_trainer_rollouts, 2, list(layouts.values()))
+    for step in range(2):
+        whole = reference[step]["share"]
+        assert len(whole["prompts"]) == 4 and all(whole["responses"])
+        assert reference[step]["gen_batches"] >= 1
+        for index, name in enumerate(layouts):
+            for rank in range(2):
+                got = per_rank[rank][index][step]
+                assert got["engine_ran"], (name, rank)  # every rank generated
+                d, size = got["dp_rank"], got["dp_size"]
+                per_replica = 4 // size
+                assert got["share"] == _slice(whole, d * per_replica, (d + 1) * per_replica, 4), (name, rank, step)
+                assert got["gen_batches"] == reference[step]["gen_batches"], name
+                assert got["generated"] == reference[step]["generated"], name
+    assert reference[0]["share"]["prompts"] != reference[1]["share"]["prompts"]
+
+
+class _SeededEngine:
+    """A stand-in engine whose samples are a function of (prompt, seed, sample index) only, as the
+    interface requires; responses of 1 to 4 tokens, some ending in EOS."""
+
+    def sample_groups(self, prompts, *, n, seeds, max_new_tokens, temperature=1.0, top_p=1.0):
+        from megatron_rlcorr.rollout import RolloutBatch
+
+        rows, responses, logprobs, finish = [], [], [], []
+        for prompt, seed in zip(prompts, seeds):
+            for j in range(n):
+                g = torch.Generator().manual_seed(seed + j)
+                length = int(torch.randint(1, max_new_tokens + 1, (1,), generator=g))
+                ids = torch.randint(3, 20, (length,), generator=g).tolist()
+                eos = bool(torch.rand(1, generator=g) < 0.5)
+                if eos:
+                    ids[-1] = 2
+                rows.append(list(prompt))
+                responses.append(ids)
+                logprobs.append(-torch.rand(length, generator=g))
+                finish.append("eos" if eos else "length")
+        return RolloutBatch(prompt_ids=rows, response_ids=responses, logprobs=logprobs, finish_reasons=finish)
+
+
+def _world_rollouts(rank, world_size, layouts):
+    """sample_round over prompts of 13 (uneven chunks) and 3 (fewer prompts than engines), then
+    each replica's share of a 12-group batch, on rollout groups of `rollout_tp` ranks."""
+    from megatron_rlcorr.data import get_task
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
+    from megatron_rlcorr.rl.advantages import OverlongPenalty
+    from megatron_rlcorr.rl.rollout_world import sample_round, share_of_replica
+    from megatron_rlcorr.rl.sampling import RolloutGroups
+    from megatron_rlcorr.rollout import RolloutConfig
+
+    enable_cpu_megatron()
+    task = get_task("digit_sum", digits=1)
+    prompts = task.sample_prompts(16, torch.Generator().manual_seed(0))
+    rollout = RolloutConfig(n=3, max_new_tokens=4)
+    overlong = OverlongPenalty(enabled=True, buffer=2, penalty=1.0)
+    out = []
+    for tp, rollout_tp in layouts:
+        groups = build_parallel_groups(tp, 1, 1, rollout_tp=rollout_tp)
+        try:
+            rounds = [sample_round(_SeededEngine(), task, prompts[:k], [100 * i for i in range(k)], rollout=rollout,
+                                   overlong=overlong, groups=groups) for k in (13, 3)]
+            batch = RolloutGroups.concat([rounds[0].select(list(range(1, 10))), rounds[1]])  # 12 groups
+            share = share_of_replica(batch, groups)
+            out.append({"share": _view(share), "dp_rank": groups.dp_rank, "dp_size": groups.dp_size})
+        finally:
+            destroy_parallel_groups()
+    return out
+
+
+def test_rollout_groups_of_two_ranks_spread_and_return_the_samples():
+    layouts = [(1, 1), (1, 2), (2, 2), (2, 1)]  # (training tp, rollout tp): dp4 / dp2 replicas
+    (reference,), = run_distributed(_world_rollouts, 1, [(1, 1)])
+    whole = reference["share"]
+    assert len(whole["prompts"]) == 12 and all(whole["responses"])
+    per_rank = run_distributed(_world_rollouts, 4, layouts)
+    for index, layout in enumerate(layouts):
+        for rank in range(4):
+            got = per_rank[rank][index]
+            d, size = got["dp_rank"], got["dp_size"]
+            per_replica = 12 // size
+            assert got["share"] == _slice(whole, d * per_replica, (d + 1) * per_replica, 3), (layout, rank)
