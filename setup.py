@@ -22,7 +22,7 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],
-        "vllm": ["vllm>=0.8"],
+        "vllm": ["vllm==0.25.1"],  # rollout/vllm_engine.py is written against this version
         "math": ["math-verify>=0.7"],
         "dev": ["pytest>=8.0", "pytest-timeout>=2.2"],
     },

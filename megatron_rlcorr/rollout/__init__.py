@@ -31,4 +31,4 @@ def make_engine(cfg: RolloutConfig, model: ModelConfig, *, eos_token_id: int | S
     from .vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg, model, eos_token_id=eos_token_id, token_vocab_size=token_vocab_size,
-                      max_model_len=max_model_len, seed=seed)
+                      max_model_len=max_model_len, seed=seed, device=device)

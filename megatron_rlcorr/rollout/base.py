@@ -98,8 +98,8 @@ class RolloutConfig:
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype the weights travel in to the engine (every rank of the stream's collectives
-        uses it)."""
-        return weight_dtype(self.precision)
+        uses it): vLLM's model dtype, bf16; the embedded engine's `weight_dtype(precision)`."""
+        return torch.bfloat16 if self.engine == "vllm" else weight_dtype(self.precision)
 
 
 def engine_max_model_len(cfg: RolloutConfig, max_prompt_length: int | None, max_positions: int) -> int:

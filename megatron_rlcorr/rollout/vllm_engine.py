@@ -1,0 +1,183 @@
+"""The vLLM rollout engine (`rollout.engine: vllm`): our engine interface over an in-process `vllm.LLM`.
+
+Written against vLLM 0.25.1 (`VLLM_VERSION`, pinned by the "vllm" extra); vLLM is imported here
+only, when the engine is built. Nothing of it runs on the CPU machines: tests/vllm_standin is a
+stand-in package with the same surface that the unit tests check this adapter against, and
+tests/gpu/test_vllm_engine.py runs the real one where vLLM and a GPU exist.
+
+Layout. One vLLM worker inside every torchrun rank (`distributed_executor_backend=
+"external_launcher"`, which needs VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM groups consecutive
+ranks into tensor-parallel engines of `rollout.tensor_parallel_size`, exactly our rollout groups
+(rl/rollout_world.py), and every rank of a group is given the same prompts and returns the same
+samples. No Ray, no extra processes; each rank's weights arrive from its own trainer process.
+
+Colocation. `enable_sleep_mode`: after generation `sleep(level)` frees the KV cache and, with
+level 1, moves the weights to host memory, with level 2 drops them (they are re-sent after every
+step anyway); before the next weight sync `wake_up(["weights"])`, after it `wake_up(["kv_cache"])`.
+vLLM's sleep mode needs its own CUDA allocator pool: `expandable_segments:True` in
+PYTORCH_CUDA_ALLOC_CONF is refused with sleep on.
+
+Weights. The trainer's stream (model/weight_stream.py, Hugging Face names, bf16, also for fp8:
+vLLM quantises what it loads) goes tensor by tensor to the model runner's `load_weights`
+through `collective_rpc` and the worker extension below (in process: the tensors are not
+copied); then the prefix cache is reset, since cached KV of the old weights is stale.
+
+Sampling, under our conventions (rollout/base.py):
+- `logprobs_mode="processed_logprobs"` with `SamplingParams(logprobs=0)`: the sampled token's
+  log-prob after temperature (and top-p), what the trainer recomputes; top_k off. With top_p < 1
+  that is the truncated distribution, so `rollout.logprobs: processed` is required then.
+- a per-prompt `seed` (vLLM gives sample j seed + j): a prompt's samples do not depend on which
+  engine ran it, though vLLM's kernels are not batch-invariant, so they are equal in
+  distribution, not bit for bit, across layouts (the embedded engine is bit for bit).
+- `stop_token_ids` = the tokenizer's end ids; a response ends with its EOS token included, and
+  is "eos" exactly when its last token is one (vLLM calls a response that reaches max_tokens on
+  an EOS "length"; the embedded engine calls it "eos", and so do we).
+- a padded vocabulary (Qwen2.5: 152064 rows for 151665 tokens): logits of the rows beyond the
+  tokenizer get -inf in the model's `compute_logits`, so they are never sampled.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .base import RolloutBatch, RolloutConfig
+
+if TYPE_CHECKING:
+    from ..model.config import ModelConfig
+
+VLLM_VERSION = "0.25.1"
+_EXTENSION = f"{__name__}.WeightStreamExtension"
+
+
+def check_vllm_settings(cfg: RolloutConfig, model: ModelConfig) -> None:
+    """ValueError, naming the setting and the fix, for what this engine cannot run (called by
+    the recipe check, before any process group exists)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"rollout.engine: vllm needs vLLM, which is not installed here: pip install "
+                         f"'megatron-rlcorr[vllm]' (vllm=={VLLM_VERSION}, on a GPU machine; it pins its own torch), "
+                         "or use rollout.engine: embedded")
+    found = importlib.metadata.version("vllm")
+    if found != VLLM_VERSION:
+        raise ValueError(f"rollout.engine: vllm is written against vLLM {VLLM_VERSION} but {found} is installed "
+                         f"(its internals change between versions): pip install vllm=={VLLM_VERSION}")
+    if cfg.precision not in ("bf16", "fp8"):
+        raise ValueError(f"rollout.precision: {cfg.precision} is not a vLLM precision here: use bf16, or fp8 "
+                         "(vLLM's online fp8 quantization); fp32 rollouts need rollout.engine: embedded")
+    if model.hf_checkpoint is None:
+        raise ValueError("rollout.engine: vllm builds its model from a Hugging Face checkpoint directory (config "
+                         "and tokenizer): set model.hf_checkpoint")
+    if cfg.top_p < 1 and cfg.logprobs != "processed":
+        raise ValueError(f"rollout.top_p={cfg.top_p} with vLLM: its processed log-probs are those of the top-p "
+                         "truncated distribution; set rollout.logprobs: processed (the correction then counts the "
+                         "truncation as off-policy mass), or top_p: 1")
+    if cfg.sleep_level and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        raise ValueError("rollout.sleep_level > 0 (vLLM's sleep mode) does not work with "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: unset it, or set rollout.sleep_level: 0")
+
+
+def engine_arguments(cfg: RolloutConfig, model: ModelConfig, *, max_model_len: int, seed: int) -> dict[str, Any]:
+    """The keyword arguments of `vllm.LLM` for this run."""
+    return dict(model=model.hf_checkpoint, tokenizer=model.hf_checkpoint, dtype="bfloat16",
+                quantization="fp8" if cfg.precision == "fp8" else None,
+                tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_model_len=max_model_len, seed=seed, enable_sleep_mode=cfg.sleep_level > 0,
+                distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+                load_format="dummy",  # the trainer's weights arrive by load_weights before any generation
+                worker_extension_cls=_EXTENSION, enable_prefix_caching=True)
+
+
+class WeightStreamExtension:
+    """Methods vLLM adds to its GPU worker (`worker_extension_cls`), reached by `collective_rpc`;
+    `self` is the worker, with `model_runner.model` the vLLM model."""
+
+    def load_weight_pairs(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        self.model_runner.model.load_weights(weights=pairs)
+
+    def mask_vocab_rows_from(self, first_padded_row: int) -> None:
+        """-inf logits for the rows of a padded vocabulary, from `first_padded_row` on."""
+        model = self.model_runner.model
+        compute_logits = model.compute_logits
+
+        def masked(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+            logits = compute_logits(*args, **kwargs)
+            if logits is not None:  # None on ranks that do not gather the vocabulary
+                logits[..., first_padded_row:] = float("-inf")
+            return logits
+
+        model.compute_logits = masked
+
+
+class VLLMEngine:
+    """The rollout engine interface (rollout/base.py) over `vllm.LLM` (module docstring)."""
+
+    def __init__(self, cfg: RolloutConfig, model: ModelConfig, *, eos_token_id: int | Sequence[int] | None,
+                 token_vocab_size: int | None, max_model_len: int | None, seed: int,
+                 device: torch.device | str = "cuda") -> None:
+        check_vllm_settings(cfg, model)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher: the worker in this process
+        from vllm import LLM
+
+        self.cfg, self.device = cfg, torch.device(device)
+        self.eos_ids = tuple([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or ())
+        if not self.eos_ids:
+            raise ValueError("the vLLM engine needs the tokenizer's end-of-sequence ids (eos_token_id)")
+        self.llm = LLM(**engine_arguments(cfg, model, max_model_len=max_model_len or model.max_position_embeddings,
+                                          seed=seed))
+        if token_vocab_size is not None and token_vocab_size < model.vocab_size:
+            self.llm.collective_rpc("mask_vocab_rows_from", args=(token_vocab_size,))
+        self._asleep: set[str] = set()
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return torch.bfloat16  # the model's dtype; with fp8 vLLM quantises what it loads
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face names (weight_stream's hf_names=True), one tensor at a time, on this rank's GPU."""
+        assert "weights" not in self._asleep, "wake_up(['weights']) before load_weights"
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        for name, tensor in pairs:
+            self.llm.collective_rpc("load_weight_pairs", args=([(name, tensor.to(self.device))],))
+        self.llm.reset_prefix_cache()
+
+    def sample_groups(self, prompts: Sequence[Sequence[int]], *, n: int, seeds: Sequence[int], max_new_tokens: int,
+                      temperature: float = 1.0, top_p: float = 1.0) -> RolloutBatch:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if len(seeds) != len(prompts):
+            raise ValueError(f"sample_groups: {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
+        if "weights" in self._asleep and self.cfg.sleep_level == 2:
+            raise RuntimeError("the vLLM engine dropped its weights in sleep(level=2): load_weights before generating")
+        self.wake_up()
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
+                                 logprobs=0, seed=seed, stop_token_ids=list(self.eos_ids), detokenize=False)
+                  for seed in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        rows, responses, logprobs = [], [], []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            samples = sorted(output.outputs, key=lambda c: c.index)
+            assert len(samples) == n, f"vLLM returned {len(samples)} samples for a prompt, asked for {n}"
+            for sample in samples:
+                ids = list(sample.token_ids)
+                rows.append(list(prompt))
+                responses.append(ids)
+                logprobs.append(torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, ids)],
+                                             dtype=torch.float32))
+        finish = ["eos" if ids and ids[-1] in self.eos_ids else "length" for ids in responses]
+        return RolloutBatch(prompt_ids=rows, response_ids=responses, logprobs=logprobs, finish_reasons=finish)
+
+    def sleep(self) -> None:
+        if self.cfg.sleep_level and not self._asleep:
+            self.llm.sleep(level=self.cfg.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        waking = [t for t in (tags or ("weights", "kv_cache")) if t in self._asleep]
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self._asleep -= set(waking)

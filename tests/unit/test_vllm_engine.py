@@ -1,0 +1,227 @@
+"""The vLLM engine adapter against tests/vllm_standin, a stand-in with vLLM 0.25.1's surface: the
+engine arguments, the sampling parameters, the weight names/shapes/dtypes the trainer streams,
+the sleep/wake order, and the log-prob, EOS, truncation and padded-vocabulary rules."""
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rlcorr.model.config import ModelConfig
+from megatron_rlcorr.rollout import RolloutConfig, make_engine
+from megatron_rlcorr.rollout.vllm_engine import VLLMEngine, check_vllm_settings
+
+STANDIN = Path(__file__).resolve().parents[1] / "vllm_standin"
+TOKENS = 120  # the tiny checkpoint has 133 rows: call the last 13 a padded vocabulary, as Qwen2.5's 399
+
+
+@pytest.fixture
+def vllm(monkeypatch):
+    """The stand-in as `vllm`, on this process's path (and a spawned child's), with a torchrun env."""
+    monkeypatch.syspath_prepend(str(STANDIN))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.delitem(sys.modules, "vllm.inputs", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    import vllm as standin
+
+    standin.CALLS.clear()
+    yield standin
+    for name in ("vllm", "vllm.inputs"):  # not through monkeypatch, whose undo would put them back
+        sys.modules.pop(name, None)
+
+
+def _model(tiny_hf) -> ModelConfig:
+    return ModelConfig.from_dict({"hf_checkpoint": str(tiny_hf / "model")})
+
+
+def _checkpoint(tiny_hf) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(tiny_hf / "model" / "model.safetensors"))
+
+
+def _engine(tiny_hf, **rollout):
+    from megatron_rlcorr.data.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer(str(tiny_hf / "model"))
+    cfg = RolloutConfig(engine="vllm", **rollout)
+    engine = make_engine(cfg, _model(tiny_hf), eos_token_id=tok.eos_ids, device="cpu", token_vocab_size=TOKENS,
+                         max_model_len=72, seed=5)
+    return engine, tok
+
+
+def test_the_llm_is_built_for_colocated_external_launcher_ranks(vllm, tiny_hf):
+    engine, tok = _engine(tiny_hf, precision="fp8", tensor_parallel_size=2, gpu_memory_utilization=0.45)
+    assert isinstance(engine, VLLMEngine)
+    (name, kwargs), *rest = vllm.CALLS
+    assert name == "LLM"
+    assert kwargs == dict(model=str(tiny_hf / "model"), tokenizer=str(tiny_hf / "model"), dtype="bfloat16",
+                          quantization="fp8", tensor_parallel_size=2, gpu_memory_utilization=0.45, max_model_len=72,
+                          seed=5, enable_sleep_mode=True, distributed_executor_backend="external_launcher",
+                          logprobs_mode="processed_logprobs", load_format="dummy",
+                          worker_extension_cls="megatron_rlcorr.rollout.vllm_engine.WeightStreamExtension",
+                          enable_prefix_caching=True)
+    import os
+
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert TOKENS < _model(tiny_hf).vocab_size
+    assert rest == [("collective_rpc", ("mask_vocab_rows_from", (TOKENS,)))]
+    assert engine.weight_dtype == torch.bfloat16
+
+
+def test_sampling_params_logprob_readout_eos_and_padded_rows(vllm, tiny_hf):
+    engine, tok = _engine(tiny_hf, temperature=0.7)
+    weights = _checkpoint(tiny_hf)
+    head = weights["lm_head.weight"]
+    head[TOKENS:] = head[: head.shape[0] - TOKENS] + 50.0  # padded rows would win every draw
+    mean = weights["model.embed_tokens.weight"].mean(0)
+    head[tok.eos_ids[0]] += 3 * mean / mean.norm() ** 2  # and EOS likely enough to end some responses early
+    engine.load_weights({k: v.to(torch.bfloat16) for k, v in weights.items()})
+    prompts = [[1, 5, 9], [1, 7]]
+    out = engine.sample_groups(prompts, n=4, seeds=[11, 12], max_new_tokens=5, temperature=0.7)
+    (name, requests), = [c for c in vllm.CALLS if c[0] == "generate"]
+    assert [r[0] for r in requests] == prompts
+    for (_, params), seed in zip(requests, [11, 12]):
+        assert (params.n, params.seed, params.temperature, params.top_p, params.top_k, params.max_tokens,
+                params.logprobs, params.detokenize) == (4, seed, 0.7, 1.0, 0, 5, 0, False)
+        assert params.stop_token_ids == list(tok.eos_ids)
+    assert out.prompt_ids == [prompts[0]] * 4 + [prompts[1]] * 4
+    # Independent recomputation: log_softmax(embed[last] @ head.T / T) over the real vocabulary.
+    embed = weights["model.embed_tokens.weight"].to(torch.bfloat16).float()
+    real_head = head.to(torch.bfloat16).float()[:TOKENS]
+    reasons = set()
+    for prompt, ids, logprobs, finish in zip(out.prompt_ids, out.response_ids, out.logprobs, out.finish_reasons):
+        assert max(ids) < TOKENS and 1 <= len(ids) <= 5
+        assert logprobs.dtype == torch.float32 and len(logprobs) == len(ids)
+        previous = [prompt[-1], *ids[:-1]]
+        expected = torch.log_softmax(embed[previous] @ real_head.T / 0.7, dim=-1)[torch.arange(len(ids)), ids]
+        torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5)
+        assert finish == ("eos" if ids[-1] in tok.eos_ids else "length")
+        assert all(t not in tok.eos_ids for t in ids[:-1])  # nothing after an EOS
+        assert finish == "eos" or len(ids) == 5
+        reasons.add(finish)
+    assert reasons == {"eos", "length"}
+    again = engine.sample_groups(prompts[1:], n=4, seeds=[12], max_new_tokens=5, temperature=0.7)
+    assert again.response_ids == out.response_ids[4:]  # a prompt's samples: its seed's, whatever else ran
+
+
+def test_a_response_capped_on_an_eos_token_ended_by_eos(vllm, tiny_hf):
+    """vLLM checks the length cap first and calls it "length"; the embedded engine and we say "eos"."""
+    engine, tok = _engine(tiny_hf, temperature=0.0)
+    weights = _checkpoint(tiny_hf)
+    weights["lm_head.weight"][tok.eos_ids[0]] += 1e4  # greedy picks EOS at once
+    engine.load_weights(weights)
+    out = engine.sample_groups([[1, 5]], n=2, seeds=[0], max_new_tokens=1, temperature=0.0)
+    assert out.response_ids == [[tok.eos_ids[0]]] * 2 and out.finish_reasons == ["eos", "eos"]
+
+
+def test_trainer_streams_hf_weights_and_sleeps_between_steps(vllm, tiny_hf, tmp_path):
+    from tests.dist import run_distributed
+
+    overrides = _recipe_overrides(tiny_hf, tmp_path)
+    (calls, loaded, expected, records), = run_distributed(_train_with_standin, 1, overrides)
+    assert [r["step"] for r in records] == [1, 2]
+    names = [c[0] if c[0] != "collective_rpc" else c[1][0] for c in calls]
+    load = "load_weight_pairs"
+    # built; first sync (awake); then per step: generate, sleep, wake the weights, load, wake the KV cache.
+    sync = [load] * len(expected) + ["reset_prefix_cache"]
+    step = ["generate", "sleep", "wake_up", *sync, "wake_up"]
+    assert names == ["LLM", *sync, *step, *step], names
+    assert [c[1] for c in calls if c[0] in ("sleep", "wake_up")] == [2, ["weights"], ["kv_cache"]] * 2
+    # Every weight of the checkpoint, Hugging Face names and shapes, bf16 (the tied head is not sent).
+    first_sync = loaded[: len(expected)]
+    assert {name: shape for name, shape, _ in first_sync} == expected
+    assert {dtype for _, _, dtype in loaded} == {torch.bfloat16}
+
+
+def _recipe_overrides(tiny_hf, tmp_path):
+    return ["rollout.engine=vllm", f"model.hf_checkpoint={tiny_hf / 'model'}",
+            f"data.train_files=[{tiny_hf / 'data' / 'train.parquet'}]", "data.prompts_per_step=2", "rollout.n=2",
+            "trainer.micro_batch_size=4", "trainer.steps=2", "trainer.save_hf=false", "trainer.save_every=0",
+            "trainer.tensorboard=false", f"trainer.output_dir={tmp_path}", "algorithm.dynamic_sampling.enabled=false"]
+
+
+def _train_with_standin(rank, world_size, overrides):
+    import vllm as standin
+
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
+    from megatron_rlcorr.recipe import load_recipe
+    from megatron_rlcorr.rl.trainer import Trainer
+    from tests.runs import read_metrics
+
+    enable_cpu_megatron()
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny_hf_cpu.yaml", overrides)
+    recipe.check_layout(world_size)
+    groups = build_parallel_groups(1, 1, 1)
+    try:
+        trainer = Trainer(recipe, groups)
+        run_dir = trainer.run()
+        model = trainer.engine.llm.worker.model_runner.model
+        expected = {k: v for k, v in model.expected.items() if not (model.tied and k == "lm_head.weight")}
+        return list(standin.CALLS), model.loaded, expected, read_metrics(run_dir)
+    finally:
+        destroy_parallel_groups()
+
+
+def test_settings_the_engine_cannot_run_are_refused_with_the_fix(vllm, tiny_hf, monkeypatch):
+    model = _model(tiny_hf)
+    check_vllm_settings(RolloutConfig(engine="vllm"), model)  # the stand-in reports the pinned version
+    with pytest.raises(ValueError, match="rollout.precision: fp32 .* rollout.engine: embedded"):
+        check_vllm_settings(RolloutConfig(engine="vllm", precision="fp32"), model)
+    with pytest.raises(ValueError, match="rollout.top_p=0.9 .* rollout.logprobs: processed"):
+        check_vllm_settings(RolloutConfig(engine="vllm", top_p=0.9), model)
+    check_vllm_settings(RolloutConfig(engine="vllm", top_p=0.9, logprobs="processed"), model)
+    with pytest.raises(ValueError, match="set model.hf_checkpoint"):
+        check_vllm_settings(RolloutConfig(engine="vllm"), ModelConfig(vocab_size=32, hidden_size=16, num_layers=1,
+                                                                      num_attention_heads=2, ffn_hidden_size=32))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(ValueError, match="expandable_segments.*rollout.sleep_level: 0"):
+        check_vllm_settings(RolloutConfig(engine="vllm"), model)
+    check_vllm_settings(RolloutConfig(engine="vllm", sleep_level=0), model)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.11.0")
+    with pytest.raises(ValueError, match="written against vLLM 0.25.1 but 0.11.0 is installed"):
+        check_vllm_settings(RolloutConfig(engine="vllm"), model)
+
+
+def test_no_vllm_installed_is_a_recipe_error_before_any_process_group(tiny_hf, tmp_path):
+    from megatron_rlcorr.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny_hf_cpu.yaml",
+                         _recipe_overrides(tiny_hf, tmp_path))
+    try:
+        importlib.metadata.version("vllm")
+        pytest.skip("vLLM is installed here")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    with pytest.raises(ValueError, match=r"rollout.engine: vllm needs vLLM.*pip install 'megatron-rlcorr\[vllm\]'"):
+        recipe.check_layout(2)
+
+
+def test_rollout_tensor_parallel_size_must_divide_the_world(vllm, tiny_hf, tmp_path):
+    from megatron_rlcorr.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny_hf_cpu.yaml",
+                         [*_recipe_overrides(tiny_hf, tmp_path), "rollout.tensor_parallel_size=4",
+                          "data.prompts_per_step=4", "trainer.micro_batch_size=2"])
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=4 must divide the world size 2"):
+        recipe.check_layout(2)
+    assert recipe.check_layout(4) == 4
+
+
+def test_a_dropped_engine_refuses_to_generate_before_new_weights(vllm, tiny_hf):
+    engine, _ = _engine(tiny_hf)
+    engine.load_weights(_checkpoint(tiny_hf))
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="load_weights before generating"):
+        engine.sample_groups([[1, 2]], n=1, seeds=[0], max_new_tokens=2)
+    engine.wake_up(["weights"])
+    engine.load_weights(_checkpoint(tiny_hf))
+    engine.wake_up(["kv_cache"])
+    assert len(engine.sample_groups([[1, 2]], n=1, seeds=[0], max_new_tokens=2)) == 1

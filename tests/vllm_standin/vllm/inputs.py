@@ -1,0 +1,6 @@
+"""Stand-in of vllm.inputs: a prompt given as token ids."""
+from typing import TypedDict
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]
