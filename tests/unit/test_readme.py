@@ -47,3 +47,16 @@ def test_the_hugging_face_recipe_example_loads(tiny_hf, tmp_path):
     fits = ["parallel.tp=2", "data.max_prompt_length=64", "rollout.max_new_tokens=32",
             "algorithm.overlong_penalty.buffer=8"]
     assert load_recipe(tmp_path / "my_run.yaml", fits).check_layout(8) == 4
+
+
+def test_the_vllm_rollout_example_is_a_valid_rollout_section():
+    import yaml
+
+    from megatron_rlcorr.rollout import RolloutConfig
+    from megatron_rlcorr.settings import from_mapping
+
+    section = (ROOT / "README.md").read_text().split("## Rollouts with vLLM", 1)[1].split("\n## ", 1)[0]
+    example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    cfg = from_mapping(RolloutConfig, example["rollout"], "rollout")
+    assert (cfg.engine, cfg.tensor_parallel_size, cfg.sleep_level) == ("vllm", 4, 2)
+    assert "vllm==0.25.1" in section and "vllm==0.25.1" in (ROOT / "setup.py").read_text()
