@@ -75,6 +75,11 @@ def check_vllm_settings(cfg: RolloutConfig, model: ModelConfig) -> None:
         raise ValueError(f"rollout.top_p={cfg.top_p} with vLLM: its processed log-probs are those of the top-p "
                          "truncated distribution; set rollout.logprobs: processed (the correction then counts the "
                          "truncation as off-policy mass), or top_p: 1")
+    if cfg.temperature == 0 and cfg.n > 1:
+        raise ValueError(f"rollout.temperature: 0 (greedy) with rollout.n={cfg.n}: vLLM refuses n > 1 for greedy "
+                         "sampling, and n greedy samples would be identical; use a temperature > 0")
+    if cfg.temperature > 2:
+        raise ValueError(f"rollout.temperature={cfg.temperature}: vLLM accepts temperatures in [0, 2]")
     if cfg.sleep_level and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         raise ValueError("rollout.sleep_level > 0 (vLLM's sleep mode) does not work with "
                          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: unset it, or set rollout.sleep_level: 0")

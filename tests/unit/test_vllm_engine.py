@@ -112,12 +112,12 @@ def test_sampling_params_logprob_readout_eos_and_padded_rows(vllm, tiny_hf):
 
 def test_a_response_capped_on_an_eos_token_ended_by_eos(vllm, tiny_hf):
     """vLLM checks the length cap first and calls it "length"; the embedded engine and we say "eos"."""
-    engine, tok = _engine(tiny_hf, temperature=0.0)
+    engine, tok = _engine(tiny_hf, temperature=0.0, n=1)  # greedy: vLLM allows n = 1 only
     weights = _checkpoint(tiny_hf)
     weights["lm_head.weight"][tok.eos_ids[0]] += 1e4  # greedy picks EOS at once
     engine.load_weights(weights)
-    out = engine.sample_groups([[1, 5]], n=2, seeds=[0], max_new_tokens=1, temperature=0.0)
-    assert out.response_ids == [[tok.eos_ids[0]]] * 2 and out.finish_reasons == ["eos", "eos"]
+    out = engine.sample_groups([[1, 5]], n=1, seeds=[0], max_new_tokens=1, temperature=0.0)
+    assert out.response_ids == [[tok.eos_ids[0]]] and out.finish_reasons == ["eos"]
 
 
 def test_trainer_streams_hf_weights_and_sleeps_between_steps(vllm, tiny_hf, tmp_path):
@@ -177,6 +177,10 @@ def test_settings_the_engine_cannot_run_are_refused_with_the_fix(vllm, tiny_hf, 
     with pytest.raises(ValueError, match="rollout.top_p=0.9 .* rollout.logprobs: processed"):
         check_vllm_settings(RolloutConfig(engine="vllm", top_p=0.9), model)
     check_vllm_settings(RolloutConfig(engine="vllm", top_p=0.9, logprobs="processed"), model)
+    with pytest.raises(ValueError, match="vLLM refuses n > 1 for greedy"):
+        check_vllm_settings(RolloutConfig(engine="vllm", temperature=0.0, n=4), model)
+    with pytest.raises(ValueError, match=r"temperatures in \[0, 2\]"):
+        check_vllm_settings(RolloutConfig(engine="vllm", temperature=2.5), model)
     with pytest.raises(ValueError, match="set model.hf_checkpoint"):
         check_vllm_settings(RolloutConfig(engine="vllm"), ModelConfig(vocab_size=32, hidden_size=16, num_layers=1,
                                                                       num_attention_heads=2, ffn_hidden_size=32))
