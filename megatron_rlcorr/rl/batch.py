@@ -18,7 +18,6 @@ from .sampling import RolloutGroups
 from ..training.step import StepBatch
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StepBatch))
-_DTYPES = {"tokens_BT": torch.int64, "targets_BT": torch.int64}  # the rest float32
 
 
 def build_step_batch(groups: RolloutGroups, advantages_B: torch.Tensor, *,
@@ -74,3 +73,8 @@ def padded_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence
 def slice_batch(batch: StepBatch, start: int, end: int) -> StepBatch:
     """Rows [start, end) of every field."""
     return StepBatch(**{name: getattr(batch, name)[start:end] for name in _FIELDS})
+
+
+def batch_to(batch: StepBatch, device: torch.device | str) -> StepBatch:
+    """Every field on `device`."""
+    return StepBatch(**{name: getattr(batch, name).to(device) for name in _FIELDS})

@@ -100,9 +100,8 @@ def share_of_replica(batch: RolloutGroups, groups: ParallelGroups, *,
                      device: torch.device | str = "cpu") -> RolloutGroups:
     """This rank's data-parallel replica's contiguous share of the step's `batch` (the same on
     every rank), with every sample's tokens and log-probs (collective over the world)."""
-    dp_size = dist.get_world_size(groups.dp)
-    per_replica = len(batch) // dp_size
-    assert per_replica * dp_size == len(batch), (len(batch), dp_size)
+    per_replica = len(batch) // groups.dp_size
+    assert per_replica * groups.dp_size == len(batch), (len(batch), groups.dp_size)
     share = batch.select(list(range(groups.dp_rank * per_replica, (groups.dp_rank + 1) * per_replica)))
     sends, receives = _transfer_plan(batch, groups, per_replica)
     n, ops, inbox = batch.n, [], {}

@@ -1,4 +1,4 @@
-"""One step's rollouts for one data-parallel rank: prompts -> responses -> rewards -> DAPO dynamic sampling.
+"""One step's rollouts: prompts -> responses -> rewards -> DAPO dynamic sampling.
 
 Reproducibility: every random draw is seeded from the run seed and a path of names and numbers
 (`derive_seed`): a round's prompts from (seed, step, round), a prompt's samples from (seed, step,

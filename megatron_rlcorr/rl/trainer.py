@@ -44,20 +44,13 @@ from ..training.reference import ReferencePolicy
 from ..training.step import (StepBatch, StepConfig, StepCorrection, StepResult, broadcast_from_last_stage,
                              compute_old_log_probs, step_correction, train_minibatch)
 from .advantages import group_advantages
-from .batch import build_step_batch, slice_batch
+from .batch import batch_to, build_step_batch, slice_batch
 from .kl_reward import KLController, kl_penalised_rewards
 from .progress import MetricsLogger
 from .rollout_world import sample_round, share_of_replica
 from .sampling import RolloutGroups, SamplingStats, derive_seed, dynamic_sample, seeded_generator
 from .settings import AlgorithmSettings, TrainerSettings
 
-# Sums over the step's whole batch (the same on every rank). "batch_*", response and token counts
-# are over the trained batch without its fillers.
-_ROLLOUT_SUMS = ("round0_score", "round0_acc", "round0_samples", "batch_reward", "batch_score", "batch_acc",
-                 "batch_samples", "response_tokens", "eos_samples", "invalid_tokens", "all_tokens", "gen_batches",
-                 "informative_fraction", "filler_fraction", "exhausted", "dropped_long_prompts",
-                 "skipped_bad_rows", "generated_tokens")
-_ROLLOUT_MAXIMA = ("response_length_max",)
 
 
 class RunSettings(Protocol):
@@ -229,9 +222,7 @@ class Trainer:
         step_batch, invalid = build_step_batch(share, advantages_B)
         invalid = invalid.to(self.device, torch.float64)
         dist.all_reduce(invalid, group=self.groups.dp)
-        sums = dict(zip(_ROLLOUT_SUMS, rollout_sums(batch, first, stats, invalid.cpu(), dropped,
-                                                    generated_tokens).unbind()))
-        sums.update(zip(_ROLLOUT_MAXIMA, rollout_maxima(batch).unbind()))
+        sums = rollout_stats(batch, first, stats, invalid.cpu(), dropped, generated_tokens)
         sampling = algo.dynamic_sampling
         if sampling.on_exhausted == "error" and stats.exhausted:  # the same decision on every rank
             raise RuntimeError(f"step {step}: dynamic sampling reached max_num_gen_batches="
@@ -239,9 +230,7 @@ class Trainer:
                                "groups (algorithm.dynamic_sampling.on_exhausted: error, verl's behaviour). The data "
                                "may be too hard or too easy for the policy: raise max_num_gen_batches (0 = no "
                                "limit), or set on_exhausted: fill to complete the batch with inert groups")
-        step_batch = StepBatch(**{f.name: getattr(step_batch, f.name).to(self.device)
-                                  for f in dataclasses.fields(StepBatch)})
-        return step_batch, share.rewards_GN.reshape(-1).double(), sums
+        return batch_to(step_batch, self.device), share.rewards_GN.reshape(-1).double(), sums
 
     def sample_step(self, step: int, step_prompts: list[Prompt] | None
                     ) -> tuple[RolloutGroups, RolloutGroups, SamplingStats, dict[str, int], int]:
@@ -370,27 +359,26 @@ class Trainer:
         return state
 
 
-def rollout_sums(rollouts: RolloutGroups, first: RolloutGroups, stats, invalid: torch.Tensor,
-                 dropped: dict[str, int], generated_tokens: int) -> torch.Tensor:
-    """The float64 vector of _ROLLOUT_SUMS of the step's batch: round 0's samples as generated;
-    the trained batch's without its fillers, which take part in no mean; the response tokens of
-    every generation round."""
+def rollout_stats(rollouts: RolloutGroups, first: RolloutGroups, stats: SamplingStats, invalid: torch.Tensor,
+                  dropped: dict[str, int], generated_tokens: int) -> dict[str, torch.Tensor]:
+    """The step's rollout statistics as float64 scalars (the same on every rank): sums over round
+    0's samples as generated; sums and the longest response of the trained batch without its
+    fillers, which take part in no mean; the response tokens of every generation round."""
     real = ~rollouts.filler_G
     lengths_GN = rollouts.response_lengths().reshape(-1, rollouts.n)
     eos_GN = torch.tensor([r == "eos" for r in rollouts.finish_reasons]).reshape(-1, rollouts.n)
-    sums = [first.scores_GN.sum(), first.acc_GN.sum(), first.scores_GN.numel(), rollouts.rewards_GN[real].sum(),
-            rollouts.scores_GN[real].sum(), rollouts.acc_GN[real].sum(), rollouts.scores_GN[real].numel(),
-            lengths_GN[real].sum(), eos_GN[real].sum(), invalid,
-            sum(len(p) for p in rollouts.prompt_ids()) + lengths_GN.sum(), stats.gen_batches,
-            stats.informative_fraction, stats.filler_fraction, stats.exhausted, dropped["long"], dropped["bad"],
-            generated_tokens]
-    return torch.tensor([float(x) for x in sums], dtype=torch.float64)
-
-
-def rollout_maxima(rollouts: RolloutGroups) -> torch.Tensor:
-    """The float64 vector of _ROLLOUT_MAXIMA over the step's batch without its fillers."""
-    lengths = rollouts.response_lengths().reshape(-1, rollouts.n)[~rollouts.filler_G]
-    return torch.tensor([float(lengths.max()) if lengths.numel() else 0.0], dtype=torch.float64)
+    values = {
+        "round0_score": first.scores_GN.sum(), "round0_acc": first.acc_GN.sum(), "round0_samples": first.scores_GN.numel(),
+        "batch_reward": rollouts.rewards_GN[real].sum(), "batch_score": rollouts.scores_GN[real].sum(),
+        "batch_acc": rollouts.acc_GN[real].sum(), "batch_samples": rollouts.scores_GN[real].numel(),
+        "response_tokens": lengths_GN[real].sum(), "eos_samples": eos_GN[real].sum(), "invalid_tokens": invalid,
+        "all_tokens": sum(len(p) for p in rollouts.prompt_ids()) + lengths_GN.sum(), "gen_batches": stats.gen_batches,
+        "informative_fraction": stats.informative_fraction, "filler_fraction": stats.filler_fraction,
+        "exhausted": stats.exhausted, "dropped_long_prompts": dropped["long"], "skipped_bad_rows": dropped["bad"],
+        "generated_tokens": generated_tokens,
+        "response_length_max": lengths_GN[real].max() if real.any() else 0.0,
+    }
+    return {name: torch.tensor(float(value), dtype=torch.float64) for name, value in values.items()}
 
 
 def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -139,7 +139,7 @@ class VLLMEngine:
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        return torch.bfloat16  # the model's dtype; with fp8 vLLM quantises what it loads
+        return self.cfg.weight_dtype
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face names (weight_stream's hf_names=True), one tensor at a time, on this rank's GPU."""

@@ -4,8 +4,7 @@ import torch
 
 from megatron_rlcorr.data.tasks import Prompt
 from megatron_rlcorr.rl.sampling import RolloutGroups, SamplingStats
-from megatron_rlcorr.rl.trainer import (_ROLLOUT_MAXIMA, _ROLLOUT_SUMS, _rollout_metrics, combine_over_updates,
-                                        rollout_maxima, rollout_sums)
+from megatron_rlcorr.rl.trainer import _rollout_metrics, combine_over_updates, rollout_stats
 
 
 def _groups(rewards_GN, lengths, filler=False):
@@ -25,8 +24,7 @@ def test_fillers_take_part_in_no_mean():
     batch = RolloutGroups.concat([real, fillers])
     stats = SamplingStats(gen_batches=3, informative_fraction=0.5, filler_fraction=0.5, generated_groups=4,
                           exhausted=True)
-    sums = dict(zip(_ROLLOUT_SUMS, rollout_sums(batch, batch, stats, torch.tensor(0), {"long": 0, "bad": 0}, 40)))
-    sums.update(zip(_ROLLOUT_MAXIMA, rollout_maxima(batch)))
+    sums = rollout_stats(batch, batch, stats, torch.tensor(0), {"long": 0, "bad": 0}, 40)
     metrics = _rollout_metrics(sums)
     assert metrics["response_length_max"] == 5.0  # the fillers' 8 are out
     assert sums["generated_tokens"] == 40.0
