@@ -17,10 +17,23 @@ step anyway); before the next weight sync `wake_up(["weights"])`, after it `wake
 vLLM's sleep mode needs its own CUDA allocator pool: `expandable_segments:True` in
 PYTORCH_CUDA_ALLOC_CONF is refused with sleep on.
 
-Weights. The trainer's stream (model/weight_stream.py, Hugging Face names, bf16, also for fp8:
-vLLM quantises what it loads) goes tensor by tensor to the model runner's `load_weights`
-through `collective_rpc` and the worker extension below (in process: the tensors are not
-copied); then the prefix cache is reset, since cached KV of the old weights is stale.
+Weights. The trainer's stream (model/weight_stream.py, Hugging Face names, bf16, also for fp8)
+goes tensor by tensor to the model runner's `load_weights` through `collective_rpc` and the
+worker extension below (in process: the tensors are not copied); then the prefix cache is
+reset, since cached KV of the old weights is stale. A sync is bracketed by `begin_weight_sync`
+and `end_weight_sync`; until one has completed (and after a level-2 sleep) the engine refuses to
+generate, so a run never samples from dummy, dropped or half-loaded weights.
+- bf16: `load_weights` copies each tensor into its parameter in place (vLLM's loaders stack
+  q/k/v and gate/up and take this rank's TP slice).
+- fp8 (`quantization="fp8"`, vLLM's online quantization): after loading, vLLM replaces each
+  linear weight by a transposed fp8 tensor and a scale, which a plain `load_weights` of bf16
+  checkpoint tensors would write into. The sync therefore runs vLLM's layerwise reload:
+  `initialize_layerwise_reload` puts the checkpoint-format parameters back (on the meta
+  device), `load_weights` buffers each layer's tensors until the layer is complete, then
+  quantises it and copies the result into the original storage (CUDA graphs stay valid), and
+  `finalize_layerwise_reload` processes what is left. These run under vLLM's current config and
+  with this GPU as the default device, as vLLM's own weight-update path does. Extra memory: up
+  to one decoder layer's bf16 tensors held by vLLM (about 1 GB for Qwen2.5-32B).
 
 Sampling, under our conventions (rollout/base.py):
 - `logprobs_mode="processed_logprobs"` with `SamplingParams(logprobs=0)`: the sampled token's
@@ -37,10 +50,11 @@ Sampling, under our conventions (rollout/base.py):
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,8 +114,37 @@ class WeightStreamExtension:
     """Methods vLLM adds to its GPU worker (`worker_extension_cls`), reached by `collective_rpc`;
     `self` is the worker, with `model_runner.model` the vLLM model."""
 
+    _layerwise_sync = False  # a class default: this class is mixed into vLLM's worker, with no __init__
+
+    def begin_weight_sync(self, layerwise: bool) -> None:
+        """Start a sync; `layerwise` (quantised models) restores the checkpoint-format parameters."""
+        self._layerwise_sync = layerwise
+        if layerwise:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            with self._loading():
+                initialize_layerwise_reload(self.model_runner.model)
+
     def load_weight_pairs(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        self.model_runner.model.load_weights(weights=pairs)
+        with self._loading():
+            self.model_runner.model.load_weights(weights=pairs)
+
+    def end_weight_sync(self) -> None:
+        if self._layerwise_sync:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            with self._loading():
+                finalize_layerwise_reload(self.model_runner.model, self.model_config)
+            self._layerwise_sync = False
+
+    @contextlib.contextmanager
+    def _loading(self) -> Iterator[None]:
+        """vLLM's config as the current one and this GPU as the default device: what its loaders
+        and layerwise processing expect (it enters both around its own weight updates)."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.model_runner.vllm_config), torch.device(self.device):
+            yield
 
     def mask_vocab_rows_from(self, first_padded_row: int) -> None:
         """-inf logits for the rows of a padded vocabulary, from `first_padded_row` on."""
@@ -136,6 +179,7 @@ class VLLMEngine:
         if token_vocab_size is not None and token_vocab_size < model.vocab_size:
             self.llm.collective_rpc("mask_vocab_rows_from", args=(token_vocab_size,))
         self._asleep: set[str] = set()
+        self._weights_current = False  # load_format="dummy": random until the first sync
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -145,9 +189,13 @@ class VLLMEngine:
         """Hugging Face names (weight_stream's hf_names=True), one tensor at a time, on this rank's GPU."""
         assert "weights" not in self._asleep, "wake_up(['weights']) before load_weights"
         pairs = weights.items() if isinstance(weights, Mapping) else weights
+        self._weights_current = False  # until the whole stream is in
+        self.llm.collective_rpc("begin_weight_sync", args=(self.cfg.precision == "fp8",))
         for name, tensor in pairs:
             self.llm.collective_rpc("load_weight_pairs", args=([(name, tensor.to(self.device))],))
+        self.llm.collective_rpc("end_weight_sync")
         self.llm.reset_prefix_cache()
+        self._weights_current = True
 
     def sample_groups(self, prompts: Sequence[Sequence[int]], *, n: int, seeds: Sequence[int], max_new_tokens: int,
                       temperature: float = 1.0, top_p: float = 1.0) -> RolloutBatch:
@@ -156,8 +204,9 @@ class VLLMEngine:
 
         if len(seeds) != len(prompts):
             raise ValueError(f"sample_groups: {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
-        if "weights" in self._asleep and self.cfg.sleep_level == 2:
-            raise RuntimeError("the vLLM engine dropped its weights in sleep(level=2): load_weights before generating")
+        if not self._weights_current:
+            raise RuntimeError("the vLLM engine holds no complete trainer weights (none loaded yet, a sync did not "
+                               "finish, or sleep(level=2) dropped them): load_weights before generating")
         self.wake_up()
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
                                  logprobs=0, seed=seed, stop_token_ids=list(self.eos_ids), detokenize=False)
@@ -180,6 +229,7 @@ class VLLMEngine:
         if self.cfg.sleep_level and not self._asleep:
             self.llm.sleep(level=self.cfg.sleep_level)
             self._asleep = {"weights", "kv_cache"}
+            self._weights_current = self.cfg.sleep_level == 1  # level 1 keeps them in host memory
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         waking = [t for t in (tags or ("weights", "kv_cache")) if t in self._asleep]

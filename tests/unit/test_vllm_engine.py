@@ -22,8 +22,7 @@ TOKENS = 120  # the tiny checkpoint has 133 rows: call the last 13 a padded voca
 def vllm(monkeypatch):
     """The stand-in as `vllm`, on this process's path (and a spawned child's), with a torchrun env."""
     monkeypatch.syspath_prepend(str(STANDIN))
-    monkeypatch.delitem(sys.modules, "vllm", raising=False)
-    monkeypatch.delitem(sys.modules, "vllm.inputs", raising=False)
+    _forget_vllm()
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
@@ -31,8 +30,12 @@ def vllm(monkeypatch):
 
     standin.CALLS.clear()
     yield standin
-    for name in ("vllm", "vllm.inputs"):  # not through monkeypatch, whose undo would put them back
-        sys.modules.pop(name, None)
+    _forget_vllm()
+
+
+def _forget_vllm() -> None:
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[name]
 
 
 def _model(tiny_hf) -> ModelConfig:
@@ -120,16 +123,22 @@ def test_a_response_capped_on_an_eos_token_ended_by_eos(vllm, tiny_hf):
     assert out.response_ids == [[tok.eos_ids[0]]] and out.finish_reasons == ["eos"]
 
 
-def test_trainer_streams_hf_weights_and_sleeps_between_steps(vllm, tiny_hf, tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_trainer_streams_hf_weights_and_sleeps_between_steps(vllm, tiny_hf, tmp_path, precision):
     from tests.dist import run_distributed
 
-    overrides = _recipe_overrides(tiny_hf, tmp_path)
+    overrides = [*_recipe_overrides(tiny_hf, tmp_path), f"rollout.precision={precision}"]
     (calls, loaded, expected, records), = run_distributed(_train_with_standin, 1, overrides)
     assert [r["step"] for r in records] == [1, 2]
     names = [c[0] if c[0] != "collective_rpc" else c[1][0] for c in calls]
-    load = "load_weight_pairs"
-    # built; first sync (awake); then per step: generate, sleep, wake the weights, load, wake the KV cache.
-    sync = [load] * len(expected) + ["reset_prefix_cache"]
+    assert [c[1][1] for c in calls if c[0] == "collective_rpc" and c[1][0] == "begin_weight_sync"] == \
+        [(precision == "fp8",)] * 3
+    # built; first sync (awake); then per step: generate, sleep, wake the weights, sync, wake the KV cache.
+    # A sync: begin, one tensor per call, end (fp8: they open and close vLLM's layerwise reload), reset the
+    # prefix cache.
+    reload = ("initialize_layerwise_reload", "finalize_layerwise_reload") if precision == "fp8" else ()
+    sync = ["begin_weight_sync", *reload[:1], *["load_weight_pairs"] * len(expected), "end_weight_sync",
+            *reload[1:], "reset_prefix_cache"]
     step = ["generate", "sleep", "wake_up", *sync, "wake_up"]
     assert names == ["LLM", *sync, *step, *step], names
     assert [c[1] for c in calls if c[0] in ("sleep", "wake_up")] == [2, ["weights"], ["kv_cache"]] * 2
@@ -219,13 +228,43 @@ def test_rollout_tensor_parallel_size_must_divide_the_world(vllm, tiny_hf, tmp_p
     assert recipe.check_layout(4) == 4
 
 
-def test_a_dropped_engine_refuses_to_generate_before_new_weights(vllm, tiny_hf):
+def test_the_engine_refuses_to_generate_without_complete_weights(vllm, tiny_hf):
+    """Never from dummy weights, a sync that failed half-way, or weights dropped by sleep(level=2)."""
     engine, _ = _engine(tiny_hf)
-    engine.load_weights(_checkpoint(tiny_hf))
+    sample = dict(n=1, seeds=[0], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="none loaded yet.*load_weights before generating"):
+        engine.sample_groups([[1, 2]], **sample)
+    checkpoint = _checkpoint(tiny_hf)
+    broken = {**checkpoint, "model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)}
+    with pytest.raises(KeyError, match="unexpected weight model.layers.0.self_attn.q_proj.weight"):
+        engine.load_weights(broken)
+    with pytest.raises(RuntimeError, match="a sync did not finish"):
+        engine.sample_groups([[1, 2]], **sample)
+    engine.load_weights(checkpoint)
     engine.sleep()
-    with pytest.raises(RuntimeError, match="load_weights before generating"):
-        engine.sample_groups([[1, 2]], n=1, seeds=[0], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match=r"sleep\(level=2\) dropped them"):
+        engine.sample_groups([[1, 2]], **sample)
     engine.wake_up(["weights"])
-    engine.load_weights(_checkpoint(tiny_hf))
+    engine.load_weights(checkpoint)
     engine.wake_up(["kv_cache"])
-    assert len(engine.sample_groups([[1, 2]], n=1, seeds=[0], max_new_tokens=2)) == 1
+    assert len(engine.sample_groups([[1, 2]], **sample)) == 1
+
+
+def test_fp8_weights_are_reloaded_through_the_layerwise_reload(vllm, tiny_hf):
+    """Online fp8 keeps processed (transposed fp8 + scale) linear weights: each sync must go through
+    vLLM's layerwise reload, under its current config, so the new values are what gets quantised."""
+    engine, _ = _engine(tiny_hf, precision="fp8", sleep_level=2)
+    model = engine.llm.worker.model_runner.model
+    linear = [name for name in model.expected if name.endswith("_proj.weight")]
+    assert linear and set(model.fp8) == set(linear)
+    checkpoint = {k: v.to(torch.bfloat16) for k, v in _checkpoint(tiny_hf).items()}
+    with pytest.raises(RuntimeError, match="processed fp8 parameter"):  # the stand-in does check: a plain load fails
+        engine.llm.collective_rpc("load_weight_pairs", args=([(linear[0], checkpoint[linear[0]])],))
+    for values in (checkpoint, {k: -v for k, v in checkpoint.items()}):  # a second sync replaces the first
+        engine.sleep()
+        engine.wake_up(["weights"])
+        engine.load_weights(values)
+        engine.wake_up(["kv_cache"])
+        for name in linear:
+            torch.testing.assert_close(model.dequantized(name), values[name].float(), rtol=0.07, atol=1e-6)
+        assert len(engine.sample_groups([[1, 2]], n=2, seeds=[0], max_new_tokens=3)) == 2

@@ -6,7 +6,8 @@ It keeps the real surface, written from vLLM's source (entrypoints/llm.py, sampl
 outputs.py, v1/core/sched/utils.py check_stop, v1/engine/parallel_sampling.py,
 v1/worker/worker_base.py): the same constructor and method names and keywords, the same output
 objects, the same stop rule (the length cap is checked before EOS), seed + j for sample j of a
-request, the worker extension mixed into the worker class, sleep levels and wake-up tags.
+request, the worker extension mixed into the worker class, sleep levels and wake-up tags, and
+online fp8's processed weights with the layerwise reload (model_executor/model_loader/reload).
 
 Its "model" is a bigram language model made of the loaded Hugging Face weights
 (logits = embed[last token] @ lm_head.T, in float32), so a test can recompute every log-prob;
@@ -70,9 +71,14 @@ class RequestOutput:
 
 
 class _Model:
-    """model_runner.model: load_weights(iterable of (HF name, tensor)) and compute_logits."""
+    """model_runner.model: load_weights(iterable of (HF name, tensor)) and compute_logits.
 
-    def __init__(self, checkpoint: Path) -> None:
+    With quantization="fp8", as vLLM's online fp8: after loading, every linear weight (`*_proj.weight`)
+    is replaced by its transposed float8_e4m3fn values and a per-tensor scale (`fp8`); loading a
+    checkpoint tensor into one then fails unless a layerwise reload is active, and
+    `finish_reload` quantises what the reload brought (every linear weight must have come)."""
+
+    def __init__(self, checkpoint: Path, quantization: str | None = None) -> None:
         from safetensors import safe_open
 
         config = json.loads((checkpoint / "config.json").read_text())
@@ -83,13 +89,47 @@ class _Model:
                 self.expected[name] = tuple(f.get_slice(name).get_shape())
         self.weights = {name: torch.randn(shape) for name, shape in self.expected.items()}  # load_format="dummy"
         self.loaded: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self.quantized = quantization == "fp8"
+        self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.reloading: set[str] | None = None
+        if self.quantized:
+            self._quantize(self._linear_names())
+
+    def _linear_names(self) -> list[str]:
+        return [name for name in self.expected if name.endswith("_proj.weight")]
+
+    def _quantize(self, names) -> None:
+        for name in names:
+            weight = self.weights.pop(name)
+            scale = weight.abs().max().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+            self.fp8[name] = ((weight / scale).to(torch.float8_e4m3fn).t(), scale)
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        values, scale = self.fp8[name]
+        return values.t().float() * scale
+
+    def begin_reload(self) -> None:
+        self.reloading = set()
+
+    def finish_reload(self) -> None:
+        assert self.reloading is not None, "finalize_layerwise_reload without initialize_layerwise_reload"
+        linear = self._linear_names()
+        missing = sorted(set(linear) - self.reloading)
+        assert not missing, f"layerwise reload finalized before these weights came: {missing}"
+        self._quantize(linear)
+        self.reloading = None
 
     def load_weights(self, weights) -> set[str]:
         names = set()
         for name, tensor in weights:
             if name not in self.expected or tuple(tensor.shape) != self.expected[name]:
                 raise KeyError(f"stand-in vLLM model: unexpected weight {name} {tuple(tensor.shape)}")
+            if name in self.fp8 and self.reloading is None:
+                raise RuntimeError(f"stand-in vLLM model: a checkpoint tensor for the processed fp8 parameter {name}"
+                                   " (reload it between initialize_layerwise_reload and finalize_layerwise_reload)")
             self.weights[name] = tensor.detach().float().clone()
+            if self.reloading is not None:
+                self.reloading.add(name)
             self.loaded.append((name, tuple(tensor.shape), tensor.dtype))
             names.add(name)
         return names
@@ -103,9 +143,15 @@ class _Model:
 
 
 class _Worker:
-    def __init__(self, model: _Model) -> None:
+    """gpu_worker.Worker's attributes the extension reads: device, model_config, model_runner.{model,
+    vllm_config}."""
+
+    def __init__(self, model: _Model, kwargs: dict) -> None:
+        self.device = torch.device("cpu")
+        self.model_config = type("ModelConfig", (), dict(model=kwargs["model"], dtype=kwargs["dtype"]))()
         self.model_runner = type("ModelRunner", (), {})()
         self.model_runner.model = model
+        self.model_runner.vllm_config = type("VllmConfig", (), dict(model_config=self.model_config))()
 
 
 def _resolve(qualname: str) -> type:
@@ -133,7 +179,7 @@ class LLM:
                            enable_prefix_caching=enable_prefix_caching)
         CALLS.append(("LLM", self.kwargs))
         bases = (_Worker, _resolve(worker_extension_cls)) if worker_extension_cls else (_Worker,)
-        self.worker = type("Worker", bases, {})(_Model(Path(model)))
+        self.worker = type("Worker", bases, {})(_Model(Path(model), quantization), self.kwargs)
         self.asleep: set[str] = set()
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
@@ -153,6 +199,7 @@ class LLM:
         if level == 2:  # the weights are dropped: whatever is read before a reload is garbage
             model = self.worker.model_runner.model
             model.weights = {k: torch.full_like(v, float("nan")) for k, v in model.weights.items()}
+            model.fp8 = {k: (v, torch.full_like(scale, float("nan"))) for k, (v, scale) in model.fp8.items()}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         CALLS.append(("wake_up", list(tags or [])))
