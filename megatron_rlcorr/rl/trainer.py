@@ -287,6 +287,8 @@ class Trainer:
         rollout = self.recipe.rollout
         buckets = weight_buckets(self.model, self.groups, dtype=rollout.weight_dtype,
                                  bucket_bytes=rollout.weight_sync_bucket_mb * MiB, hf_names=rollout.engine == "vllm")
+        if torch.cuda.is_available():  # return the trainer's cached blocks: a colocated engine allocates its own
+            torch.cuda.empty_cache()
         self.engine.wake_up(["weights"])
         self.engine.load_weights(flatten(buckets))
         self.engine.wake_up(["kv_cache"])
