@@ -1,8 +1,9 @@
-"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | score | export | presets | import-verl.
+"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | score | export | plan | presets | import-verl.
 
     megatron-rlcorr train --config recipes/tiny_cpu.yaml [--nproc 2] [section.key=value ...]
     megatron-rlcorr score --model SRC --rollouts IN.jsonl --out OUT.jsonl [--nproc N] [--config R] [k=v ...]
     megatron-rlcorr export --model SRC --out DIR [--nproc N] [--dtype bfloat16|float32] [--config R] [k=v ...]
+    megatron-rlcorr plan RECIPE --nodes N --gpus-per-node G [--gpu-memory-gib 80] [--json] [--search] [k=v ...]
     megatron-rlcorr presets
     megatron-rlcorr import-verl SCRIPT_OR_YAML --out RECIPE.yaml
 
@@ -37,6 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--nproc", type=int, default=None,
                          help="processes (default: tp*pp*cp, or the layout that wrote a run checkpoint)")
     commands.add_parser("presets", help="list the rollout correction presets and what they set")
+    planner = commands.add_parser("plan", help="validate a recipe's layout for a cluster and estimate its memory per "
+                                               "GPU, without GPUs (recipe/memory.py)")
+    planner.add_argument("config", metavar="RECIPE", help="recipe YAML")
+    planner.add_argument("--nodes", type=int, required=True, help="nodes of the launch")
+    planner.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (ranks) per node")
+    planner.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    planner.add_argument("--json", action="store_true", help="print one JSON object")
+    planner.add_argument("--search", action="store_true", help="list the layouts that fit, cheapest first")
+    planner.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.pp=4")
     importer = commands.add_parser("import-verl", help="write a recipe from a verl run script or config, and report "
                                                        "what was mapped, what differs and what was not mapped")
     importer.add_argument("source", metavar="SCRIPT_OR_YAML",
@@ -55,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "import-verl":
         return import_verl_command(args.source, args.out)
+    if args.command == "plan":
+        from .plan import plan_command
+
+        return plan_command(args.config, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                            gpu_memory_gib=args.gpu_memory_gib, as_json=args.json, search=args.search)
     if args.command == "train":
         return launch(args.config, args.overrides, args.nproc)
     return launch_entry(args.command, args, _entry_argv(args))

@@ -89,6 +89,22 @@ class DecoderShape:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    @property
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer: two RMSNorms, q/k/v (+ Qwen2's biases, + Qwen3's
+        per-head norms), the output projection and the SwiGLU MLP (gate, up, down)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.add_qkv_bias else 0)
+        return 2 * h + attention + (2 * d if self.qk_layernorm else 0) + 3 * h * f
+
+    @property
+    def parameter_count(self) -> int:
+        """All parameters as in the Hugging Face checkpoint (unpadded vocabulary; a tied head once)."""
+        embedding = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_embeddings else embedding
+        return embedding + self.num_layers * self.layer_parameters + self.hidden_size + head
+
 
 def rotary_inv_freq(shape: DecoderShape, device: torch.device | str | None = None) -> torch.Tensor:
     """float32 [head_dim / 2] inverse frequencies of the rotary embedding (module docstring)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -108,6 +109,9 @@ class ModelConfig:
     # A Hugging Face checkpoint directory: architecture from its config.json, initial weights from
     # its safetensors (instead of the seeded initialisation).
     hf_checkpoint: str | None = None
+    # A published architecture by name (presets.py: qwen2.5-32b, llama-3.1-8b, ...), so a recipe can
+    # be planned before the checkpoint is on disk; a checkpoint that is there must agree with it.
+    architecture: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -153,12 +157,23 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any] | None) -> "ModelConfig":
         """From a recipe's `model:` mapping; unknown or missing keys raise ValueError. With
-        `hf_checkpoint`, the architecture keys come from its config.json (hf.read_architecture)."""
+        `hf_checkpoint`, the architecture keys come from its config.json (hf.read_architecture);
+        with `architecture`, from the named preset, checked against the checkpoint when it exists
+        (a checkpoint not on disk yet is reported by the launch checks, not here: `plan` needs none)."""
         mapping = dict(mapping or {})
-        if mapping.get("hf_checkpoint") is not None:
+        checkpoint, name = mapping.get("hf_checkpoint"), mapping.get("architecture")
+        if name is not None:
+            from .hf import checkpoint_agrees_with_preset, merge_preset
+            from .presets import preset_architecture
+
+            preset = preset_architecture(str(name))
+            if checkpoint is not None and Path(str(checkpoint)).is_dir():
+                checkpoint_agrees_with_preset(str(checkpoint), preset, str(name))
+            mapping = merge_preset(mapping, preset, str(name))
+        elif checkpoint is not None:
             from .hf import merge_architecture
 
-            mapping = merge_architecture(mapping, str(mapping["hf_checkpoint"]))
+            mapping = merge_architecture(mapping, str(checkpoint))
         return from_mapping(cls, mapping, "model")
 
 

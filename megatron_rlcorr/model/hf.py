@@ -187,6 +187,30 @@ def merge_architecture(mapping: Mapping[str, Any], directory: str) -> dict[str, 
     return {**mapping, **arch}
 
 
+def checkpoint_agrees_with_preset(directory: str, preset: Mapping[str, Any], name: str) -> None:
+    """ValueError naming every architecture field where the checkpoint's config.json differs from
+    the preset `name` (`model.architecture`), with both values."""
+    config_path = Path(directory) / CONFIG_FILE
+    arch = read_architecture(read_config(directory), f"model.hf_checkpoint={directory}")
+    differing = [f"{key} ({_CONFIG_KEY[key]}): checkpoint {arch[key]!r}, preset {value!r}"
+                 for key, value in preset.items() if not _agrees(key, arch[key], value, preset)]
+    if differing:
+        raise ValueError(f"model.architecture: {name} disagrees with {config_path} in {'; '.join(differing)}: "
+                         "use the preset of this checkpoint (an Instruct checkpoint has its own: "
+                         f"{name.lower().removesuffix('-instruct')}-instruct), or remove model.architecture (the "
+                         "checkpoint's config.json then decides)")
+
+
+def merge_preset(mapping: Mapping[str, Any], preset: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """A recipe's `model:` mapping with the preset's architecture filled in; a key given in both
+    must agree."""
+    for key, value in preset.items():
+        if key in mapping and not _agrees(key, mapping[key], value, preset):
+            raise ValueError(f"model.{key}={mapping[key]!r} disagrees with model.architecture: {name} ({value!r}); "
+                             f"remove model.{key} (the preset decides) or remove model.architecture")
+    return {**mapping, **preset}
+
+
 def _agrees(key: str, given: Any, expected: Any, arch: Mapping[str, Any]) -> bool:
     if key == "kv_channels":  # None means hidden_size / heads
         default = arch["hidden_size"] // arch["num_attention_heads"]

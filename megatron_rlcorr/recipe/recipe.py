@@ -8,6 +8,7 @@ parallel layout that does not fit the launch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -46,15 +47,24 @@ class Recipe:
         """<trainer.output_dir>/<name>: metrics, checkpoints and the resolved recipe of the run."""
         return Path(self.trainer.output_dir) / self.name
 
-    def check_layout(self, world_size: int) -> int:
-        """Validate the whole run against the launch; returns the data-parallel size."""
-        dp = self.check_model_layout(world_size)
-        self._check_task()
-        self._check_rollout(world_size)
+    def check_layout(self, world_size: int, *, here: bool = True) -> int:
+        """Validate the whole run against the launch; returns the data-parallel size.
+
+        here=False (`plan`, on a laptop for a cluster) checks what does not depend on this machine
+        only: the layout, batch sizes, sequence lengths and rollout settings, but not the checkpoint
+        and data files, Transformer Engine or the rollout engine's installation."""
+        dp = self.check_model_layout(world_size, here=here)
+        if here:
+            self._check_checkpoint()
+            self._check_task()
+        else:
+            self._check_samples()
+        self._check_rollout(world_size, here=here)
         prompts = self.data.prompts_per_step
         if prompts % dp:
             raise ValueError(f"data.prompts_per_step={prompts} must be divisible by the data-parallel size {dp} "
-                             f"(world {world_size} / tp*pp*cp {self.parallel.model_parallel_size})")
+                             f"(world {world_size} / tp*pp*cp {self.parallel.model_parallel_size}): use "
+                             f"{_multiple_near(prompts, dp)}")
         per_rank = self._check_mini_batch(dp)
         self._check_overlong()
         corr = self.algorithm.rollout_correction
@@ -71,14 +81,17 @@ class Recipe:
         prompts, n = self.data.prompts_per_step, self.rollout.n
         mini = self.trainer.mini_batch_prompts or prompts
         if prompts % mini or (mini * n) % dp:
+            working = [m for m in _divisors(prompts) if (m * n) % dp == 0]
             raise ValueError(f"trainer.mini_batch_prompts={mini} must divide data.prompts_per_step={prompts}, and its "
-                             f"sequences (x rollout.n={n}) must split evenly over the data-parallel size {dp}")
+                             f"sequences (x rollout.n={n}) must split evenly over the data-parallel size {dp}: "
+                             f"values that work: {_some(working)}")
         per_rank = mini * n // dp
         if self.trainer.max_tokens_per_micro_batch:
             self._check_token_budget()
         elif per_rank % self.trainer.micro_batch_size:
             raise ValueError(f"trainer.micro_batch_size={self.trainer.micro_batch_size} must divide the sequences per "
-                             f"rank per mini-batch ({per_rank} = mini_batch_prompts {mini} x n {n} / dp {dp})")
+                             f"rank per mini-batch ({per_rank} = mini_batch_prompts {mini} x n {n} / dp {dp}): values "
+                             f"that work: {_some(_divisors(per_rank))}")
         return per_rank
 
     def _check_token_budget(self) -> None:
@@ -99,19 +112,25 @@ class Recipe:
                              f", padded to a multiple of {multiple}, is {longest} tokens per context-parallel rank; "
                              f"set it to at least {longest}")
 
-    def _check_rollout(self, world_size: int) -> None:
-        """The rollout engine against the launch and the model: installed, its tensor-parallel
-        size dividing the world, a precision it runs, a context that holds prompt + response."""
-        rollout = self.rollout
-        if world_size % rollout.tensor_parallel_size:
-            raise ValueError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} must divide the world size "
-                             f"{world_size} (every rank belongs to one rollout engine): launch a multiple of it or "
-                             "change it")
-        engine_max_model_len(rollout, self.data.max_prompt_length, self.model.max_position_embeddings)
+    def _check_rollout(self, world_size: int, *, here: bool = True) -> None:
+        """The rollout engine against the launch and the model: installed (here), its tensor-parallel
+        size dividing the world and the heads, a precision it runs, a context that holds prompt +
+        response."""
+        rollout, model = self.rollout, self.model
+        rtp = rollout.tensor_parallel_size
+        heads, groups = model.num_attention_heads, model.num_query_groups
+        working = [t for t in _divisors(world_size) if heads % t == 0 and (groups % t == 0 or t % groups == 0)]
+        if world_size % rtp:
+            raise ValueError(f"rollout.tensor_parallel_size={rtp} must divide the world size {world_size} (every rank "
+                             f"belongs to one rollout engine): launch a multiple of it, or use one of {_some(working)}")
+        if heads % rtp or (groups % rtp and rtp % groups):
+            raise ValueError(f"rollout.tensor_parallel_size={rtp} must divide the attention heads ({heads}), and the "
+                             f"K/V heads ({groups}) must divide it or be divided by it: use one of {_some(working)}")
+        engine_max_model_len(rollout, self.data.max_prompt_length, model.max_position_embeddings)
         if rollout.engine == "vllm":
             from ..rollout.vllm_engine import check_vllm_settings
 
-            check_vllm_settings(rollout, self.model)
+            check_vllm_settings(rollout, model, here=here)
 
     def _check_overlong(self) -> None:
         overlong, limit = self.algorithm.overlong_penalty, self.rollout.max_new_tokens
@@ -120,27 +139,48 @@ class Recipe:
                              f"limit rollout.max_new_tokens={limit}: every response would be penalised; use a buffer "
                              f"below {limit} (DAPO: 4096 of 20480)")
 
-    def check_model_layout(self, world_size: int) -> int:
+    def check_model_layout(self, world_size: int, *, here: bool = True) -> int:
         """Validate the model's parallel layout against the launch (what building the model needs,
-        e.g. for `score` and `export`); returns the data-parallel size."""
+        e.g. for `score` and `export`); returns the data-parallel size. here=False: not whether
+        this machine has what the layout needs (Transformer Engine for sequence parallelism)."""
+        heads, groups, layers = self.model.num_attention_heads, self.model.num_query_groups, self.model.num_layers
+        tp, pp, cp, vpp = self.parallel.tp, self.parallel.pp, self.parallel.cp, self.parallel.vpp or 1
+        if heads % tp or groups % tp:
+            raise ValueError(f"model heads ({heads}) and query groups ({groups}) must be divisible by parallel.tp={tp}: "
+                             f"use one of {_some(_divisors(math.gcd(heads, groups)))}")
+        if layers % (pp * vpp):
+            working = [p for p in _divisors(layers) if layers % (p * vpp) == 0]
+            raise ValueError(f"model.num_layers={layers} must be divisible by parallel.pp*vpp={pp}*{vpp}: use pp in "
+                             f"{_some(working)}" + (" or another vpp" if vpp > 1 else ""))
+        if world_size % (tp * pp * cp):
+            pps = [p for p in _divisors(layers) if world_size % (tp * p * cp) == 0 and layers % (p * vpp) == 0]
+            raise ValueError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = "
+                             f"{tp * pp * cp}; launch a multiple of {tp * pp * cp} processes, or use parallel.pp in "
+                             f"{_some(pps)} (or change parallel.tp/cp)")
         dp = self.parallel.data_parallel_size(world_size)
-        heads = self.model.num_attention_heads
-        if heads % self.parallel.tp or self.model.num_query_groups % self.parallel.tp:
-            raise ValueError(f"model heads ({heads}) and query groups ({self.model.num_query_groups}) must be divisible "
-                             f"by parallel.tp={self.parallel.tp}")
-        if self.model.num_layers % (self.parallel.pp * (self.parallel.vpp or 1)):
-            raise ValueError(f"model.num_layers={self.model.num_layers} must be divisible by parallel.pp*vpp")
-        if self.parallel.sequence_parallel:
+        if self.parallel.sequence_parallel and here:
             from ..model.build import SEQUENCE_PARALLEL_NEEDS_TE, use_transformer_engine
 
             if not use_transformer_engine():
                 raise ValueError(SEQUENCE_PARALLEL_NEEDS_TE)
         return dp
 
-    def _check_task(self) -> None:
+    def _check_samples(self) -> None:
         if self.rollout.n < 2:
             raise ValueError(f"rollout.n={self.rollout.n}: group advantages ({self.algorithm.advantage_estimator}) "
                              "need at least 2 samples per prompt; set rollout.n >= 2")
+
+    def _check_checkpoint(self) -> None:
+        """A checkpoint named by path must be there when the run starts (an `architecture` preset
+        lets the recipe load without it, for `plan`)."""
+        checkpoint = self.model.hf_checkpoint
+        if checkpoint is not None and not Path(checkpoint).is_dir():
+            raise ValueError(f"model.hf_checkpoint={checkpoint} is not a directory: download the checkpoint (e.g. "
+                             f"`huggingface-cli download <org/model> --local-dir {checkpoint}`) or point "
+                             "model.hf_checkpoint at it")
+
+    def _check_task(self) -> None:
+        self._check_samples()
         try:
             task = build_task(self.data, tokenizer_dir=self.model.hf_checkpoint, seed=self.trainer.seed)
         except ValueError as err:
@@ -151,6 +191,21 @@ class Recipe:
                              f"({task.tokenizer.vocab_size} tokens): token ids would fall outside the model; use a "
                              f"model whose vocabulary covers the tokenizer (model.vocab_size >= "
                              f"{task.tokenizer.vocab_size})")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _some(values: Sequence[int], limit: int = 8) -> str:
+    """Values for an error message: all of a short list, the first `limit` of a long one."""
+    shown = ", ".join(map(str, values[:limit]))
+    return shown + (", ..." if len(values) > limit else "") if values else "(none)"
+
+
+def _multiple_near(value: int, multiple: int) -> str:
+    below, above = value // multiple * multiple, -(-value // multiple) * multiple
+    return " or ".join(str(v) for v in dict.fromkeys((below, above)) if v > 0)
 
 
 def parse_recipe(tree: Mapping[str, Any]) -> Recipe:

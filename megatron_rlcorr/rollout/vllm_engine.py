@@ -68,17 +68,12 @@ VLLM_VERSION = "0.25.1"
 _EXTENSION = f"{__name__}.WeightStreamExtension"
 
 
-def check_vllm_settings(cfg: RolloutConfig, model: ModelConfig) -> None:
+def check_vllm_settings(cfg: RolloutConfig, model: ModelConfig, *, here: bool = True) -> None:
     """ValueError, naming the setting and the fix, for what this engine cannot run (called by
-    the recipe check, before any process group exists)."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError(f"rollout.engine: vllm needs vLLM, which is not installed here: pip install "
-                         f"'megatron-rlcorr[vllm]' (vllm=={VLLM_VERSION}, on a GPU machine; it pins its own torch), "
-                         "or use rollout.engine: embedded")
-    found = importlib.metadata.version("vllm")
-    if found != VLLM_VERSION:
-        raise ValueError(f"rollout.engine: vllm is written against vLLM {VLLM_VERSION} but {found} is installed "
-                         f"(its internals change between versions): pip install vllm=={VLLM_VERSION}")
+    the recipe check, before any process group exists). here=False (`plan`): the settings only,
+    not this machine's installation and allocator settings."""
+    if here:
+        _check_vllm_here(cfg)
     if cfg.precision not in ("bf16", "fp8"):
         raise ValueError(f"rollout.precision: {cfg.precision} is not a vLLM precision here: use bf16, or fp8 "
                          "(vLLM's online fp8 quantization); fp32 rollouts need rollout.engine: embedded")
@@ -94,6 +89,18 @@ def check_vllm_settings(cfg: RolloutConfig, model: ModelConfig) -> None:
                          "sampling, and n greedy samples would be identical; use a temperature > 0")
     if cfg.temperature > 2:
         raise ValueError(f"rollout.temperature={cfg.temperature}: vLLM accepts temperatures in [0, 2]")
+
+
+def _check_vllm_here(cfg: RolloutConfig) -> None:
+    """vLLM installed at the pinned version, and an allocator setting its sleep mode works with."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"rollout.engine: vllm needs vLLM, which is not installed here: pip install "
+                         f"'megatron-rlcorr[vllm]' (vllm=={VLLM_VERSION}, on a GPU machine; it pins its own torch), "
+                         "or use rollout.engine: embedded")
+    found = importlib.metadata.version("vllm")
+    if found != VLLM_VERSION:
+        raise ValueError(f"rollout.engine: vllm is written against vLLM {VLLM_VERSION} but {found} is installed "
+                         f"(its internals change between versions): pip install vllm=={VLLM_VERSION}")
     if cfg.sleep_level and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         raise ValueError("rollout.sleep_level > 0 (vLLM's sleep mode) does not work with "
                          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: unset it, or set rollout.sleep_level: 0")

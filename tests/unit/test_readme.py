@@ -60,3 +60,54 @@ def test_the_vllm_rollout_example_is_a_valid_rollout_section():
     cfg = from_mapping(RolloutConfig, example["rollout"], "rollout")
     assert (cfg.engine, cfg.tensor_parallel_size, cfg.sleep_level) == ("vllm", 4, 2)
     assert "vllm==0.25.1" in section and "vllm==0.25.1" in (ROOT / "setup.py").read_text()
+
+
+def _cluster_section() -> str:
+    return (ROOT / "README.md").read_text().split("## From a laptop to a cluster", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_cluster_section_commands_run(tmp_path, capsys, monkeypatch):
+    """Every command of "From a laptop to a cluster": the plans run and fit; the train command stops
+    at the placeholder checkpoint path with the fix; the launches print their torchrun lines
+    (--dry-run; srun's part through a SLURM environment); pip is the documented install."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from megatron_rlcorr.cli import main
+
+    monkeypatch.chdir(ROOT)
+    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", _cluster_section(), re.S)
+                for line in block.splitlines() if line.strip()]
+    assert len(commands) == 8, commands
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\nprintf 'node001\\nnode002\\n'\n")
+    scontrol.chmod(0o755)
+    for command in commands:
+        words = shlex.split(command)
+        if words[0] == "megatron-rlcorr" and words[1] == "plan":
+            assert main(words[1:]) == 0, command
+            assert capsys.readouterr().out
+        elif words[0] == "megatron-rlcorr" and words[1] == "train":
+            assert main(words[1:]) == 2, command
+            assert "model.hf_checkpoint=/path/to/Qwen2.5-7B is not a directory" in capsys.readouterr().err
+        elif words[:3] == ["pip", "install", "-e"]:
+            assert words[3] == ".[vllm]" and 'extras_require' in (ROOT / "setup.py").read_text()
+        else:
+            env = {**os.environ, "PYTHON": sys.executable, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+            if words[0] == "srun":
+                words = words[words.index("bash"):]
+                env.update(SLURM_JOB_NUM_NODES="16", SLURM_NODEID="3", SLURM_JOB_NODELIST="node[001-016]",
+                           SLURM_GPUS_PER_NODE="8")
+            else:
+                while "=" in words[0]:
+                    key, value = words.pop(0).split("=", 1)
+                    env[key] = value
+            assert words[:2] == ["bash", "tools/launch.sh"], command
+            out = subprocess.run([*words, *(["--dry-run"] if "--dry-run" not in words else [])], env=env,
+                                 capture_output=True, text=True, cwd=ROOT)
+            assert out.returncode == 0, out.stderr
+            torchrun = [line for line in out.stdout.splitlines() if line.startswith("+ ")]
+            assert len(torchrun) == 1 and "--nnodes=16" in torchrun[0] and "--nproc-per-node=8" in torchrun[0]
+            assert "-m megatron_rlcorr.train --config recipes/dapo_qwen2.5_32b_rollout_corr.yaml" in torchrun[0]

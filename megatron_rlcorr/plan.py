@@ -1,0 +1,143 @@
+"""`megatron-rlcorr plan RECIPE --nodes N --gpus-per-node G`: check a layout before queueing for GPUs.
+
+Runs anywhere (no GPU, no checkpoint, no data: a recipe with `model.architecture` is planned from
+the preset). It validates the recipe for a launch of N x G ranks (`Recipe.check_layout(here=
+False)`: layout, batch sizes, sequence lengths, rollout settings; each failure names the setting
+and values that work), then prints the parameter count, the estimated memory per GPU
+(recipe/memory.py) against the GPU's, and the launch command; `--json` prints the same as one
+object; `--search` lists the layouts that fit, cheapest communication first
+(recipe/layout_search.py).
+
+Exit codes: 0 the layout validates and fits, 1 it validates but does not fit (or --search found
+nothing), 2 bad input (the recipe, an override or the layout).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any, Sequence
+
+from .recipe import load_recipe
+from .recipe.memory import HEADROOM, GiB, estimate_memory, micro_batch_tokens, parameter_counts, usable_bytes
+from .runtime import EXIT_BAD_INPUT
+
+DEFAULT_MASTER_PORT = 29500
+
+
+def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int,
+                gpu_memory_gib: float = 80.0) -> dict[str, Any]:
+    """The plan as one JSON-ready mapping; ValueError for bad input (module docstring)."""
+    _check_launch(nodes, gpus_per_node, gpu_memory_gib)
+    recipe = load_recipe(path, overrides)
+    world = nodes * gpus_per_node
+    dp = recipe.check_layout(world, here=False)
+    counts = parameter_counts(recipe.model, recipe.parallel)
+    memory = estimate_memory(recipe, world, gpu_memory_gib * GiB)
+    p, model = recipe.parallel, recipe.model
+    return {
+        "recipe": str(path), "overrides": list(overrides), "nodes": nodes, "gpus_per_node": gpus_per_node,
+        "world_size": world, "gpu_memory_gib": gpu_memory_gib,
+        "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "vpp": p.vpp, "dp": dp,
+                   "sequence_parallel": p.sequence_parallel,
+                   "recompute": None if model.recompute is None else model.recompute.granularity,
+                   "distributed_optimizer": recipe.optim.use_distributed_optimizer,
+                   "micro_batch_tokens": micro_batch_tokens(recipe),
+                   "rollout_engine": recipe.rollout.engine,
+                   "rollout_tensor_parallel_size": recipe.rollout.tensor_parallel_size},
+        "padded_vocab_size": counts.padded_vocab_size,
+        "params_total": counts.total,
+        "params_per_gpu_max": counts.per_gpu_max,
+        "memory_gib_per_gpu": memory.gib(),
+        "most_loaded_stage": memory.stage,
+        "usable_gib": round(usable_bytes(gpu_memory_gib) / GiB, 2),
+        "fits": memory.total <= usable_bytes(gpu_memory_gib),
+        "command": launch_command(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node),
+    }
+
+
+def _check_launch(nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> None:
+    for name, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not gpu_memory_gib > 0:
+        raise ValueError(f"--gpu-memory-gib must be > 0, got {gpu_memory_gib}")
+
+
+def launch_command(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int) -> str:
+    """The command that launches the recipe: one launch.sh per node (tools/launch.sh), or
+    `megatron-rlcorr train` on a single node."""
+    args = " ".join(shlex.quote(str(a)) for a in (path, *overrides))
+    if nodes == 1:
+        return f"megatron-rlcorr train --config {args} --nproc {gpus_per_node}"
+    return (f"NNODES={nodes} GPUS_PER_NODE={gpus_per_node} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<first node> "
+            f"MASTER_PORT={DEFAULT_MASTER_PORT} bash tools/launch.sh {args}")
+
+
+def format_report(report: dict[str, Any]) -> str:
+    layout, memory = report["layout"], report["memory_gib_per_gpu"]
+    recompute = layout["recompute"] or "none"
+    lines = [
+        f"plan: {report['recipe']} on {report['nodes']} x {report['gpus_per_node']} GPUs "
+        f"({report['gpu_memory_gib']:g} GiB each)",
+        f"layout: tp={layout['tp']} pp={layout['pp']} cp={layout['cp']} vpp={layout['vpp']} dp={layout['dp']} "
+        f"sequence_parallel={layout['sequence_parallel']} recompute={recompute} "
+        f"distributed_optimizer={layout['distributed_optimizer']}",
+        f"  micro-batch: {layout['micro_batch_tokens']} tokens per rank; rollout: {layout['rollout_engine']} "
+        f"with tensor_parallel_size {layout['rollout_tensor_parallel_size']}; "
+        f"padded vocabulary {report['padded_vocab_size']}",
+        f"parameters: {report['params_total']:,} in total, {report['params_per_gpu_max']:,} on the most-loaded GPU",
+        f"memory per GPU (GiB, estimate) on the most-loaded pipeline stage, {report['most_loaded_stage']} of "
+        f"0..{layout['pp'] - 1}:",
+    ]
+    for name in ("weights", "gradients", "optimizer", "activations", "logits", "rollout"):
+        lines.append(f"  {name:<12} {memory[name]:>8.2f}")
+    verdict = "fits" if report["fits"] else "does NOT fit: try `--search`"
+    lines.append(f"  {'total':<12} {memory['total']:>8.2f} of {report['usable_gib']:g} usable "
+                 f"({report['gpu_memory_gib']:g} less {HEADROOM:.0%} headroom): {verdict}")
+    lines.append("  (total = weights + gradients + optimizer + the larger of training (activations + logits + "
+                 "what the engine keeps while asleep) and generation (the engine's share))")
+    lines.append("launch:")
+    if report["nodes"] > 1:
+        lines.append("  # on every node (or under SLURM: srun --nodes=N --ntasks-per-node=1 bash tools/launch.sh ...)")
+    lines.append(f"  {report['command']}")
+    return "\n".join(lines)
+
+
+def format_search(candidates: list, *, limit: int = 10) -> str:
+    if not candidates:
+        return "no layout of the search space fits: more GPUs, a shorter token budget, or a smaller engine share"
+    lines = ["layouts that fit, cheapest first (estimated communication + bubble + recompute s/step, memory GiB/GPU):"]
+    for c in candidates[:limit]:
+        lines.append(f"  tp={c.tp} pp={c.pp} cp={c.cp} dp={c.dp} recompute={c.recompute:<9} "
+                     f"~{c.seconds:8.2f} s  {c.memory.total / GiB:6.1f} GiB   " + " ".join(map(shlex.quote, c.overrides)))
+    if len(candidates) > limit:
+        lines.append(f"  ... and {len(candidates) - limit} more")
+    return "\n".join(lines)
+
+
+def plan_command(path: str, overrides: Sequence[str], *, nodes: int, gpus_per_node: int, gpu_memory_gib: float,
+                 as_json: bool, search: bool) -> int:
+    """The CLI's `plan` (module docstring for the exit codes)."""
+    import sys
+
+    try:
+        if search:
+            from .recipe.layout_search import search_layouts
+
+            _check_launch(nodes, gpus_per_node, gpu_memory_gib)
+            candidates = search_layouts(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
+                                        gpu_memory_gib=gpu_memory_gib)
+            if as_json:
+                print(json.dumps([{"overrides": c.overrides, "tp": c.tp, "pp": c.pp, "cp": c.cp, "dp": c.dp,
+                                   "recompute": c.recompute, "seconds_estimate": round(c.seconds, 3),
+                                   "memory_gib_per_gpu": c.memory.gib()} for c in candidates], indent=1))
+            else:
+                print(format_search(candidates))
+            return 0 if candidates else 1
+        report = plan_report(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)
+    except ValueError as err:
+        print(f"error: plan {path}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(json.dumps(report, indent=1) if as_json else format_report(report))
+    return 0 if report["fits"] else 1

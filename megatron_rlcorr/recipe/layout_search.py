@@ -1,0 +1,130 @@
+"""`plan --search`: the Megatron layouts of a recipe that fit the GPUs, cheapest communication first.
+
+Candidates: TP over the divisors of the heads and K/V groups up to one node's GPUs (TP's
+per-layer collectives stay on NVLink), sequence parallelism whenever TP > 1, PP over the
+divisors of the layers, CP of 1, 2, 4 or 8, and no, selective (MLP + norms) or full (one layer
+per chunk) recomputation; the recipe's other settings stay. A candidate is kept when the whole
+recipe validates for the launch (`Recipe.check_layout(here=False)`) and its estimated memory
+(memory.py) fits the GPU with the headroom `plan` keeps (plan.HEADROOM).
+
+Ranking: an estimate of the seconds per RL step spent waiting on other GPUs, from bytes moved and
+link bandwidth, plus the pipeline bubble and recomputation as time. The constants below are
+round numbers for H100 nodes (NVLink within a node, one 400 Gb/s NIC per GPU across nodes); the
+estimate orders layouts, it does not predict step times. Per GPU, per optimizer step:
+- TP with SP: 4 all-gathers/reduce-scatters of the hidden state in the forward and 4 in the
+  backward, each moving 2h bytes per token times (t-1)/t: 16h (t-1)/t bytes per token per layer.
+- CP: each rank sends its K and V (and receives dK, dV): 8 kv (cp-1) / t bytes per token per layer.
+- PP: 4h / t bytes per token per stage boundary (activation forward, gradient backward).
+- DP: reduce-scatter of fp32 gradients and all-gather of bf16 weights, 6 (d-1)/d bytes per
+  parameter of the rank, d = DP x CP.
+- a group's link is NVLink when its ranks fit in one node (Megatron orders ranks TP, CP, DP, PP).
+- compute: 6 x parameters x tokens FLOPs at SUSTAINED_FLOPS per GPU; recomputation adds the forward
+  of what it recomputes (a third of the whole, or of the MLP's share with selective `mlp`), and the
+  pipeline bubble (pp - 1) / (micro-batches x vpp) of the compute.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from .memory import (GiB, MemoryEstimate, estimate_memory, micro_batch_tokens, parameter_counts, sequence_tokens,
+                     usable_bytes)
+from .recipe import Recipe, load_recipe
+
+NVLINK_BYTES_PER_S = 450e9
+NETWORK_BYTES_PER_S = 50e9
+SUSTAINED_FLOPS = 400e12       # bf16, per H100, a typical sustained rate for large GEMMs
+RECOMPUTE_CHOICES: dict[str, tuple[str, ...]] = {
+    "none": ("model.recompute=null",),
+    "selective": ("model.recompute={granularity: selective, modules: [mlp, layernorm]}",),
+    "full": ("model.recompute={granularity: full, method: uniform, num_layers: 1}",),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tp: int
+    pp: int
+    cp: int
+    recompute: str
+    dp: int
+    memory: MemoryEstimate
+    seconds: float          # the ranking estimate (module docstring)
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.cp={self.cp}", "parallel.vpp=null",
+                f"parallel.sequence_parallel={'true' if self.tp > 1 else 'false'}", *RECOMPUTE_CHOICES[self.recompute]]
+
+
+def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int,
+                   gpu_memory_gib: float) -> list[Candidate]:
+    """Every candidate that validates and fits, cheapest first (module docstring)."""
+    base = load_recipe(path, overrides)
+    world = nodes * gpus_per_node
+    heads_and_groups = math.gcd(base.model.num_attention_heads, base.model.num_query_groups)
+    found = []
+    for tp in (t for t in _divisors(heads_and_groups) if t <= gpus_per_node):
+        for pp in _divisors(base.model.num_layers):
+            for cp in (1, 2, 4, 8):
+                if world % (tp * pp * cp):
+                    continue
+                for recompute in RECOMPUTE_CHOICES:
+                    layout = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", "parallel.vpp=null",
+                              f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
+                              *RECOMPUTE_CHOICES[recompute]]
+                    try:
+                        recipe = load_recipe(path, [*overrides, *layout])
+                        dp = recipe.check_layout(world, here=False)
+                    except ValueError:
+                        continue
+                    memory = estimate_memory(recipe, world, gpu_memory_gib * GiB)
+                    if memory.total <= usable_bytes(gpu_memory_gib):
+                        seconds = step_seconds(recipe, world, gpus_per_node)
+                        found.append(Candidate(tp, pp, cp, recompute, dp, memory, seconds))
+    return sorted(found, key=lambda c: (c.seconds, c.tp * c.pp * c.cp))
+
+
+def step_seconds(recipe: Recipe, world: int, gpus_per_node: int) -> float:
+    """The ranking estimate of communication, bubble and recomputation time per RL step."""
+    model, parallel, shape = recipe.model, recipe.parallel, recipe.model.decoder_shape
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
+    dp = world // (tp * pp * cp)
+    h, kv = shape.hidden_size, shape.num_query_groups * shape.head_dim
+    step_tokens = recipe.data.prompts_per_step * recipe.rollout.n * sequence_tokens(recipe)
+    tokens = step_tokens / (dp * cp)          # what one rank's model-parallel group processes, per rank
+    layers = shape.num_layers / pp
+    mini_batches = recipe.data.prompts_per_step // (recipe.trainer.mini_batch_prompts or recipe.data.prompts_per_step)
+
+    def link(span: int) -> float:
+        return NVLINK_BYTES_PER_S if span <= gpus_per_node else NETWORK_BYTES_PER_S
+
+    seconds = tokens * layers * 16 * h * (tp - 1) / tp / link(tp)
+    seconds += tokens * layers * 8 * kv * (cp - 1) / tp / link(tp * cp)
+    seconds += tokens * (4 * h / tp) * (pp - 1) / pp / link(world) if pp > 1 else 0.0
+    params = parameter_counts(model, parallel).per_gpu_max
+    d = dp * cp
+    seconds += mini_batches * params * 6 * (d - 1) / d / link(tp * cp * dp)
+    compute = 6 * shape.parameter_count * step_tokens / (world * SUSTAINED_FLOPS)
+    extra = compute * _recomputed_share(recipe)          # forward passes run again in the backward
+    micro_batches = max(1, math.ceil(tokens / mini_batches / micro_batch_tokens(recipe)))
+    bubble = (compute + extra) * (pp - 1) / (micro_batches * (parallel.vpp or 1))
+    return seconds + bubble + extra
+
+
+def _recomputed_share(recipe: Recipe) -> float:
+    """The extra compute of recomputation, as a share of the step's: the forward (a third of
+    forward + backward) of what is recomputed (the whole layer, or the MLP's share of it)."""
+    recompute, shape = recipe.model.recompute, recipe.model.decoder_shape
+    if recompute is None:
+        return 0.0
+    if recompute.granularity == "full":
+        return 1 / 3
+    mlp = 3 * shape.hidden_size * shape.ffn_hidden_size / shape.layer_parameters
+    return mlp / 3 if "mlp" in recompute.modules else 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,196 @@
+"""Parameters and memory per GPU of a recipe's layout: the model behind `megatron-rlcorr plan`.
+
+Why: a 32B layout is chosen before queueing for 128 GPUs, on a laptop. Every term is a formula of
+the recipe (model shape, parallel layout, batch and sequence sizes, optimizer, rollout engine), so
+it can be checked by hand; the sources are Megatron-LM's theoretical_memory_usage.py and
+Korthikanti et al. 2022 (arXiv 2205.05198). They are estimates until compared with
+torch.cuda.max_memory_allocated on a GPU; the state terms (weights, gradients, optimizer) are
+exact counts of what Megatron-Core allocates, and the tests compare them with a CPU model's.
+
+Conventions: bytes everywhere (GiB = 2**30 only in `MemoryEstimate.gib`); a "rank" is one GPU.
+- Parameters per rank: a decoder layer's matrices and q/k/v biases are split over TP, its norms
+  are replicated; the first pipeline stage adds the embedding, the last the final norm and the
+  output layer (Megatron keeps a copy of a tied embedding there when pp > 1), both over the
+  vocabulary padded to `make_vocab_size_divisible_by * tp`.
+- weights: params_dtype (2 bytes bf16, 4 fp32). gradients: 4 (fp32 main grads,
+  grad_reduce_in_fp32). optimizer (Adam): fp32 master copy (bf16 params only) + m + v, divided by
+  DP x CP with the distributed optimizer.
+- activations, per token of a micro-batch per layer, bf16, flash attention, no dropout: the four
+  inputs of the two norms and the two input projections (8h bytes, split over TP only with
+  sequence parallelism), q, k and v and the attention output (4q + 4kv), the MLP's gate/up output
+  and the SwiGLU output (6f), split over TP. Selective recomputation drops the MLP's part
+  (`mlp`) or the norm outputs (`layernorm`); `core_attn` saves nothing more, flash attention
+  already recomputes the scores. Full recomputation keeps each chunk's input (2h) and one chunk
+  live in its backward. The first stage holds `pp` micro-batches in flight under 1F1B, times
+  1 + (pp - 1) / (pp * vpp) when interleaved.
+- logits: the last stage's log-prob computation, bf16 logits plus float32 working copies, about
+  10 bytes per token per vocabulary entry of its TP shard.
+- rollout: vLLM's `gpu_memory_utilization` share while it generates, nothing while it sleeps
+  (levels 1 and 2) or the same share when it stays resident (level 0); the embedded engine keeps
+  a full copy of the model in its weight dtype all the time.
+- total: the states plus the larger of the two phases: training (activations + logits + the
+  engine's resident memory) and generation (the engine's share; the trainer's activations are
+  freed and its cache emptied before the engine wakes). A layout fits when the total leaves
+  HEADROOM of the GPU free.
+FP8 training is estimated as BF16: Transformer Engine's FP8 weight copies add about a byte per
+parameter, and its FP8 copies of GEMM inputs save some activation memory.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from ..model.config import ModelConfig, pad_vocab_size
+from ..parallel.layout import ParallelSettings
+
+if TYPE_CHECKING:
+    from ..training.optimizer import OptimSettings
+    from .recipe import Recipe
+
+GiB = 2**30
+# Kept free of the estimate: the CUDA context, NCCL's buffers, the allocator's fragmentation, and
+# the estimate's own error. A layout fits when its total is at most the rest.
+HEADROOM = 0.10
+GRAD_BYTES = 4                 # fp32 main gradients
+LOGIT_BYTES_PER_ENTRY = 10     # bf16 logits + float32 working copies in the log-prob computation
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    total: int                     # as in the Hugging Face checkpoint (unpadded vocabulary)
+    per_stage: tuple[int, ...]     # one TP rank of each pipeline stage (all its virtual chunks)
+    padded_vocab_size: int
+
+    @property
+    def per_gpu_max(self) -> int:
+        return max(self.per_stage)
+
+
+def parameter_counts(model: ModelConfig, parallel: ParallelSettings) -> ParameterCounts:
+    """Parameters in total and on one TP rank of each pipeline stage (module docstring)."""
+    shape, tp, pp = model.decoder_shape, parallel.tp, parallel.pp
+    h, d = shape.hidden_size, shape.head_dim
+    replicated = 2 * h + (2 * d if shape.qk_layernorm else 0)
+    layer = replicated + (shape.layer_parameters - replicated) // tp
+    vocab = pad_vocab_size(shape.vocab_size, tp, model.make_vocab_size_divisible_by)
+    embedding = vocab * h // tp
+    head = embedding if (not shape.tie_embeddings or pp > 1) else 0
+    stages = [shape.num_layers // pp * layer for _ in range(pp)]
+    stages[0] += embedding
+    stages[-1] += h + head
+    return ParameterCounts(total=shape.parameter_count, per_stage=tuple(stages), padded_vocab_size=vocab)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU on the most-loaded pipeline stage (module docstring for each term)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    rollout: float            # the engine's share while it generates
+    rollout_resident: float   # what the engine keeps while the trainer trains
+    total: float
+    stage: int = 0            # the pipeline stage these are of
+
+    def gib(self) -> dict[str, float]:
+        fields = asdict(self)
+        fields.pop("rollout_resident"), fields.pop("stage")
+        return {name: round(value / GiB, 2) for name, value in fields.items()}
+
+
+def usable_bytes(gpu_memory_gib: float) -> float:
+    """What a layout's estimate may use of a GPU with `gpu_memory_gib` GiB (HEADROOM kept free)."""
+    return (1 - HEADROOM) * gpu_memory_gib * GiB
+
+
+def sequence_tokens(recipe: Recipe) -> int:
+    """The longest sequence of the run: prompt limit (or the model's context) + response limit."""
+    prompt = recipe.data.max_prompt_length
+    if prompt is None:
+        return recipe.model.max_position_embeddings
+    return prompt + recipe.rollout.max_new_tokens
+
+
+def micro_batch_tokens(recipe: Recipe) -> int:
+    """Tokens of one micro-batch on one rank: the packing budget (per context-parallel rank), or
+    micro_batch_size sequences of the longest length split over CP."""
+    budget = recipe.trainer.max_tokens_per_micro_batch
+    if budget:
+        return budget
+    return recipe.trainer.micro_batch_size * math.ceil(sequence_tokens(recipe) / recipe.parallel.cp)
+
+
+def activation_bytes_per_token(model: ModelConfig, parallel: ParallelSettings, layers: int) -> float:
+    """Activation bytes one token of a micro-batch keeps over `layers` layers of one stage."""
+    shape, tp = model.decoder_shape, parallel.tp
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_query_groups * shape.head_dim
+    split_h = tp if parallel.sequence_parallel else 1
+    norm_inputs, norm_outputs = 4 * h / split_h, 4 * h / split_h
+    attention, mlp = (4 * q + 4 * kv) / tp, 6 * f / tp
+    full_layer = norm_inputs + norm_outputs + attention + mlp
+    recompute = model.recompute
+    if recompute is None:
+        return layers * full_layer
+    if recompute.granularity == "selective":
+        dropped = (mlp if "mlp" in recompute.modules else 0) + (norm_outputs if "layernorm" in recompute.modules else 0)
+        return layers * (full_layer - dropped)
+    chunk_input = 2 * h / split_h
+    n = min(recompute.num_layers, layers)
+    if recompute.method == "uniform":
+        return math.ceil(layers / n) * chunk_input + n * full_layer
+    return n * chunk_input + (layers - n) * full_layer + full_layer  # block: the first n layers recomputed
+
+
+def in_flight_micro_batches(parallel: ParallelSettings) -> float:
+    """Micro-batches whose activations the first stage holds at once under 1F1B."""
+    pp, vpp = parallel.pp, parallel.vpp or 1
+    if pp == 1:
+        return 1.0
+    return pp * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else float(pp)
+
+
+def state_bytes_per_parameter(model: ModelConfig, optim: OptimSettings, dp_cp: int) -> tuple[int, int, float]:
+    """(weight, gradient, optimizer) bytes per parameter of a rank; `dp_cp` = DP x CP, the group the
+    distributed optimizer shards over."""
+    param_bytes = 2 if model.params_dtype == "bfloat16" else 4
+    optimizer_bytes = (12 if param_bytes == 2 else 8) / (dp_cp if optim.use_distributed_optimizer else 1)
+    return param_bytes, GRAD_BYTES, optimizer_bytes
+
+
+def estimate_memory(recipe: Recipe, world_size: int, gpu_memory_bytes: float) -> MemoryEstimate:
+    """The memory of the most-loaded stage's GPUs (module docstring)."""
+    model, parallel = recipe.model, recipe.parallel
+    counts = parameter_counts(model, parallel)
+    dp_cp = parallel.data_parallel_size(world_size) * parallel.cp
+    param_bytes, _, optimizer_bytes = state_bytes_per_parameter(model, recipe.optim, dp_cp)
+    tokens = micro_batch_tokens(recipe)
+    layers = model.num_layers // parallel.pp
+    activations = tokens * activation_bytes_per_token(model, parallel, layers)
+    first_stage = activations * in_flight_micro_batches(parallel)
+    logits = LOGIT_BYTES_PER_ENTRY * tokens * counts.padded_vocab_size / parallel.tp
+    generating, resident = _rollout_bytes(recipe, counts.total, gpu_memory_bytes)
+    candidates = []
+    for index, params in enumerate(counts.per_stage):  # the first stage has the activations, the last the logits
+        act = first_stage if index == 0 else activations * max(1.0, in_flight_micro_batches(parallel) - index)
+        lgt = logits if index == parallel.pp - 1 else 0.0
+        states = params * (param_bytes + GRAD_BYTES + optimizer_bytes)
+        total = states + max(act + lgt + resident, generating)
+        candidates.append(MemoryEstimate(weights=params * param_bytes, gradients=params * GRAD_BYTES,
+                                         optimizer=params * optimizer_bytes, activations=act, logits=lgt,
+                                         rollout=generating, rollout_resident=resident, total=total, stage=index))
+    return max(candidates, key=lambda m: m.total)
+
+
+def _rollout_bytes(recipe: Recipe, total_params: int, gpu_memory_bytes: float) -> tuple[float, float]:
+    """(while generating, while training) bytes of the colocated engine on one GPU."""
+    rollout = recipe.rollout
+    if rollout.engine == "vllm":
+        share = rollout.gpu_memory_utilization * gpu_memory_bytes
+        return share, (share if rollout.sleep_level == 0 else 0.0)
+    copy = total_params * rollout.weight_dtype.itemsize
+    return copy, copy

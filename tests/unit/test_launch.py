@@ -1,0 +1,213 @@
+"""tools/launch.sh, the multi-node launcher: topology from the environment or SLURM, the NCCL and
+Megatron-Core environment, input checks, the per-node log, and a real 2-process CPU run."""
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.runs import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "tools" / "launch.sh"
+TINY = "recipes/tiny_cpu.yaml"
+# What the launcher reads: cleared so that the machine running the tests (a SLURM job, a shell
+# with NCCL settings) does not change the outcome.
+LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "PYTHON", "LOG_DIR",
+               "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_AVOID_RECORD_STREAMS", "NCCL_IB_TIMEOUT",
+               "NCCL_P2P_NET_CHUNKSIZE", "PYTORCH_CUDA_ALLOC_CONF")
+DEFAULT_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+               "NCCL_IB_TIMEOUT": "19", "NCCL_P2P_NET_CHUNKSIZE": "2097152"}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    return {**env, **extra}
+
+
+def launch(*args: str, env: dict[str, str], cwd: Path = ROOT, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(LAUNCH), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def exports(stdout: str) -> dict[str, str]:
+    """The `export NAME=value` lines of a dry run."""
+    pairs = [line[len("export "):].split("=", 1) for line in stdout.splitlines() if line.startswith("export ")]
+    return dict(pairs)
+
+
+def command_line(stdout: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith("+ ")]
+    assert len(lines) == 1, stdout
+    return lines[0]
+
+
+def fake_tool(directory: Path, name: str, script: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text("#!/usr/bin/env bash\n" + script)
+    path.chmod(0o755)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_dry_run_with_explicit_topology(tmp_path):
+    env = clean_env(NNODES="4", NODE_RANK="3", MASTER_ADDR="node-a", MASTER_PORT="6001", GPUS_PER_NODE="8",
+                    NCCL_IB_TIMEOUT="22", LOG_DIR=str(tmp_path / "logs"))
+    # --dry-run may come anywhere among the arguments.
+    proc = launch(TINY, "trainer.steps=3", "--dry-run", "optim.lr=1e-4", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert command_line(proc.stdout) == (
+        "+ python -m torch.distributed.run --nnodes=4 --node-rank=3 --nproc-per-node=8 --master-addr=node-a "
+        "--master-port=6001 -m megatron_rlcorr.train --config recipes/tiny_cpu.yaml trainer.steps=3 optim.lr=1e-4")
+    assert exports(proc.stdout) == {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "node-a", "MASTER_PORT": "6001",
+                                    "GPUS_PER_NODE": "8", **DEFAULT_ENV,
+                                    "NCCL_IB_TIMEOUT": "22"}  # the user's value wins
+    assert "node3.log" in proc.stdout
+    assert not (tmp_path / "logs").exists()  # a dry run creates nothing
+
+
+def test_dry_run_defaults_without_slurm(tmp_path):
+    bin_dir = fake_tool(tmp_path / "bin", "nvidia-smi",
+                        '[ "$1" = -L ] || exit 1\n'
+                        'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done\n')
+    env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON="/opt/py/bin/python3")
+    proc = launch("--dry-run", TINY, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert command_line(proc.stdout) == (
+        "+ /opt/py/bin/python3 -m torch.distributed.run --nnodes=1 --node-rank=0 --nproc-per-node=4 "
+        "--master-addr=127.0.0.1 --master-port=29500 -m megatron_rlcorr.train --config recipes/tiny_cpu.yaml")
+    assert exports(proc.stdout) == {"NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                    "MASTER_PORT": "29500", "GPUS_PER_NODE": "4", **DEFAULT_ENV}
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+def test_dry_run_one_process_without_gpus():
+    proc = launch(TINY, "--dry-run", env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert exports(proc.stdout)["GPUS_PER_NODE"] == "1"
+    assert " --nproc-per-node=1 " in command_line(proc.stdout)
+
+
+def test_dry_run_under_slurm(tmp_path):
+    # The fake scontrol answers only the call the launcher should make.
+    bin_dir = fake_tool(tmp_path / "bin", "scontrol",
+                        '[ "$*" = "show hostnames gpu-[07-08]" ] || { echo "unexpected: $*" >&2; exit 1; }\n'
+                        'printf "gpu-07\\ngpu-08\\n"\n')
+    env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2",
+                    SLURM_NODEID="1", SLURM_JOB_NODELIST="gpu-[07-08]", SLURM_GPUS_PER_NODE="h100:8")
+    proc = launch(TINY, "--dry-run", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert command_line(proc.stdout) == (
+        "+ python -m torch.distributed.run --nnodes=2 --node-rank=1 --nproc-per-node=8 --master-addr=gpu-07 "
+        "--master-port=29500 -m megatron_rlcorr.train --config recipes/tiny_cpu.yaml")
+    assert exports(proc.stdout) == {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "gpu-07", "MASTER_PORT": "29500",
+                                    "GPUS_PER_NODE": "8", **DEFAULT_ENV}
+
+
+def test_slurm_fallbacks_and_user_values_first(tmp_path):
+    bin_dir = fake_tool(tmp_path / "bin", "scontrol", 'printf "a1\\na2\\na3\\n"\n')
+    base = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="3", SLURM_NODEID="2",
+                     SLURM_JOB_NODELIST="a[1-3]", SLURM_GPUS_ON_NODE="4", SLURM_GPUS_PER_NODE="h100:8")
+    found = exports(launch(TINY, "--dry-run", env=base).stdout)
+    # SLURM_NNODES when SLURM_JOB_NUM_NODES is missing; SLURM_GPUS_ON_NODE before SLURM_GPUS_PER_NODE.
+    assert (found["NNODES"], found["NODE_RANK"], found["MASTER_ADDR"], found["GPUS_PER_NODE"]) == ("3", "2", "a1", "4")
+    mine = exports(launch(TINY, "--dry-run", env={**base, "NNODES": "5", "NODE_RANK": "4", "MASTER_ADDR": "head",
+                                                   "GPUS_PER_NODE": "2", "CUDA_DEVICE_MAX_CONNECTIONS": "8"}).stdout)
+    assert (mine["NNODES"], mine["NODE_RANK"], mine["MASTER_ADDR"], mine["GPUS_PER_NODE"]) == ("5", "4", "head", "2")
+    assert mine["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK"),
+    ({"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "5", "MASTER_ADDR": "h"}, "SLURM_NODEID"),
+    ({"GPUS_PER_NODE": "two"}, "GPUS_PER_NODE"),
+    ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE"),
+    ({"SLURM_GPUS_PER_NODE": "h100"}, "SLURM_GPUS_PER_NODE"),
+    ({"NNODES": "-1"}, "NNODES"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT"),
+    ({"MASTER_PORT": "29500x"}, "MASTER_PORT"),
+])
+def test_bad_topology_exits_2_naming_the_variable(tmp_path, env, named):
+    proc = launch(TINY, "--dry-run", env=clean_env(**env, LOG_DIR=str(tmp_path / "logs")))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert named in proc.stderr and "error" in proc.stderr
+    assert "+ " not in proc.stdout
+    assert not (tmp_path / "logs").exists()
+
+
+def test_missing_recipe_exits_2_naming_the_file(tmp_path):
+    for args in (("recipes/no_such_recipe.yaml", "--dry-run"), ("recipes/no_such_recipe.yaml",)):
+        proc = launch(*args, env=clean_env(LOG_DIR=str(tmp_path / "logs")))
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "recipes/no_such_recipe.yaml" in proc.stderr and "not found" in proc.stderr
+    assert not (tmp_path / "logs").exists()
+    proc = launch("--dry-run", env=clean_env())
+    assert proc.returncode == 2 and "no recipe" in proc.stderr
+
+
+def test_relative_recipe_from_another_directory(tmp_path):
+    # The command runs from the repository root: a path relative to the caller becomes absolute.
+    (tmp_path / "my.yaml").write_text("base: " + str(ROOT / TINY) + "\n")
+    proc = launch("my.yaml", "--dry-run", env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert command_line(proc.stdout).endswith(f" --config {tmp_path / 'my.yaml'}")
+
+
+def test_vllm_sleep_mode_refuses_expandable_segments(tmp_path):
+    recipe = tmp_path / "vllm.yaml"
+    recipe.write_text(f"base: {ROOT / TINY}\nrollout: {{engine: vllm}}\n")  # sleep_level: its default, 2
+    env = clean_env(PYTHON=sys.executable, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:128,expandable_segments:True")
+    proc = launch(str(recipe), "--dry-run", env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "expandable_segments:True" in proc.stderr and "rollout.sleep_level" in proc.stderr
+    # No sleep mode, or no vLLM: the allocator setting is left alone.
+    assert launch(str(recipe), "--dry-run", "rollout.sleep_level=0", env=env).returncode == 0
+    assert launch(TINY, "--dry-run", env=env).returncode == 0
+    assert launch(str(recipe), "--dry-run", env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+                  ).returncode == 0
+
+
+def test_log_and_exit_code_of_torchrun(tmp_path):
+    # A stand-in for the interpreter: both output streams, then a failure.
+    fake_python = fake_tool(tmp_path / "bin", "fakepython",
+                            'echo "out: $*"\necho "err: failing" >&2\nexit 7\n') / "fakepython"
+    logs = tmp_path / "logs"
+    env = clean_env(PYTHON=str(fake_python), LOG_DIR=str(logs), NNODES="2", NODE_RANK="1", MASTER_ADDR="h")
+    proc = launch(TINY, "a.b=1", env=env)
+    assert proc.returncode == 7  # torchrun's exit code is the launcher's
+    first = proc.stdout.splitlines()[0]
+    assert str(logs / "node1.log") in first
+    log = (logs / "node1.log").read_text()
+    assert "out: -m torch.distributed.run --nnodes=2 --node-rank=1" in log and "a.b=1" in log
+    assert "err: failing" in log and "err: failing" in proc.stdout  # stderr too, to both
+    assert "export NCCL_IB_TIMEOUT=19" in log and command_line(log).startswith(f"+ {fake_python} -m")
+    # A second run appends to the node's log.
+    assert launch(TINY, env=env).returncode == 7
+    assert (logs / "node1.log").read_text().count("err: failing") == 2
+
+
+@pytest.mark.distributed
+def test_two_process_cpu_run(tmp_path):
+    logs = tmp_path / "logs"
+    env = clean_env(PYTHON=sys.executable, NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
+                    LOG_DIR=str(logs), CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    proc = launch(TINY, "trainer.steps=2", f"trainer.output_dir={tmp_path}", "data.prompts_per_step=4",
+                  "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0", "trainer.tensorboard=false",
+                  "algorithm.dynamic_sampling.enabled=false", env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = read_metrics(tmp_path / "tiny_cpu")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    log = (logs / "node0.log").read_text()
+    assert "step 1/2 " in log and "step 2/2 " in log and "metrics: " in log
+    assert "step 2/2 " in proc.stdout
