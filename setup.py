@@ -24,7 +24,8 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.0"],
         "vllm": ["vllm==0.25.1"],  # rollout/vllm_engine.py is written against this version
         "math": ["math-verify>=0.7"],
-        "dev": ["pytest>=8.0", "pytest-timeout>=2.2"],
+        "plots": ["matplotlib>=3.7"],  # `analyze` and tools/ablate.py draw their figures with it
+        "dev": ["pytest>=8.0", "pytest-timeout>=2.2", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["megatron-rlcorr=megatron_rlcorr.cli:main"]},
 )

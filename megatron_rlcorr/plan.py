@@ -53,6 +53,7 @@ def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_
         "usable_gib": round(usable_bytes(gpu_memory_gib) / GiB, 2),
         "fits": memory.total <= usable_bytes(gpu_memory_gib),
         "command": launch_command(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node),
+        "torchrun": torchrun_command(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node),
     }
 
 
@@ -72,6 +73,13 @@ def launch_command(path: str | Path, overrides: Sequence[str], *, nodes: int, gp
         return f"megatron-rlcorr train --config {args} --nproc {gpus_per_node}"
     return (f"NNODES={nodes} GPUS_PER_NODE={gpus_per_node} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<first node> "
             f"MASTER_PORT={DEFAULT_MASTER_PORT} bash tools/launch.sh {args}")
+
+
+def torchrun_command(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int) -> str:
+    """What each node runs (tools/launch.sh runs exactly this, with the node's rank and node 0's address)."""
+    args = " ".join(shlex.quote(str(a)) for a in (path, *overrides))
+    return (f"python -m torch.distributed.run --nnodes={nodes} --node-rank=$NODE_RANK --nproc-per-node={gpus_per_node} "
+            f"--master-addr=$MASTER_ADDR --master-port={DEFAULT_MASTER_PORT} -m megatron_rlcorr.train --config {args}")
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -101,6 +109,9 @@ def format_report(report: dict[str, Any]) -> str:
     if report["nodes"] > 1:
         lines.append("  # on every node (or under SLURM: srun --nodes=N --ntasks-per-node=1 bash tools/launch.sh ...)")
     lines.append(f"  {report['command']}")
+    if report["nodes"] > 1:
+        lines.append("  # which runs on each node:")
+        lines.append(f"  {report['torchrun']}")
     return "\n".join(lines)
 
 

@@ -48,12 +48,14 @@ class TrainerSettings:
     save_hf_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     timeout_minutes: int = 60      # every process group's collective timeout (long generations wait)
     async_save: bool = False       # write checkpoints from a background process while training goes on
+    dump_every: int = 0            # > 0: write every K-th step's rollouts to <run_dir>/dumps/ (rl/dumps.py)
+    dump_max_samples: int = 1024   # sequences per dump at most
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "ppo_epochs", "log_every", "timeout_minutes"):
+        for name in ("steps", "micro_batch_size", "ppo_epochs", "log_every", "timeout_minutes", "dump_max_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("mini_batch_prompts", "save_every", "exit_interval", "max_tokens_per_micro_batch"):
+        for name in ("mini_batch_prompts", "save_every", "exit_interval", "max_tokens_per_micro_batch", "dump_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -45,6 +45,7 @@ from ..training.step import (StepBatch, StepConfig, StepCorrection, StepResult, 
                              compute_old_log_probs, step_correction, train_minibatch)
 from .advantages import group_advantages
 from .batch import batch_to, build_step_batch, slice_batch
+from .dumps import dump_records, gather_and_write
 from .kl_reward import KLController, kl_penalised_rewards
 from .progress import MetricsLogger
 from .rollout_world import sample_round, share_of_replica
@@ -146,9 +147,12 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         step_prompts, data_metrics = self._step_prompts()
-        batch, rewards_B, sums = self.rollouts(step, step_prompts)
+        batch, rewards_B, sums, share = self.rollouts(step, step_prompts)
         t_gen = time.perf_counter()
         old_log_probs, ref_log_probs, correction, step_metrics = self._before_updates(batch)
+        dump_every = self.recipe.trainer.dump_every
+        if dump_every and step % dump_every == 0:
+            self._dump(step, share, batch, old_log_probs, rewards_B)
         if self.kl_controller is not None and ref_log_probs is not None:  # the last pipeline stage
             batch, kl_metrics = self._kl_in_reward(batch, rewards_B, old_log_probs, ref_log_probs)
             step_metrics.update(kl_metrics)
@@ -182,6 +186,20 @@ class Trainer:
             correction, metrics = step_correction(old, batch, cfg.correction, self.groups)
         return old, ref, correction, dict(metrics)
 
+    def _dump(self, step: int, share: RolloutGroups, batch: StepBatch, old_log_probs: torch.Tensor | None,
+              rewards_B: torch.Tensor) -> None:
+        """The step's rollouts with the trainer's log-probs to <run_dir>/dumps (rl/dumps.py);
+        collective over the world (bypass mode runs the pi_old pass here, for the dump only)."""
+        cfg, groups = self.step_cfg, self.groups
+        if not cfg.correction.needs_old_log_prob_pass:  # (None on the other pipeline stages either way)
+            old_log_probs = compute_old_log_probs(self.model, batch, groups=groups,
+                                                  micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
+                                                  max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
+        holder = groups.is_pipeline_last_stage() and groups.tp_rank == 0 and groups.cp_rank == 0
+        limit = -(-self.recipe.trainer.dump_max_samples // groups.dp_size)
+        records = dump_records(share, old_log_probs, rewards_B, step=step, limit=limit) if holder else None
+        gather_and_write(records, self.run_dir, step)
+
     def _kl_in_reward(self, batch: StepBatch, rewards_B: torch.Tensor, old_log_probs: torch.Tensor | None,
                       ref_log_probs: torch.Tensor) -> tuple[StepBatch, dict[str, torch.Tensor]]:
         """The batch with advantages from KL-penalised rewards (the last pipeline stage's view; the
@@ -211,9 +229,9 @@ class Trainer:
         return taken.prompts, metrics
 
     def rollouts(self, step: int, step_prompts: list[Prompt] | None = None
-                 ) -> tuple[StepBatch, torch.Tensor, dict[str, torch.Tensor]]:
+                 ) -> tuple[StepBatch, torch.Tensor, dict[str, torch.Tensor], RolloutGroups]:
         """This DP replica's StepBatch and per-sequence rewards (identical on its TP/CP/PP ranks),
-        and the rollout statistics of the step's whole batch."""
+        the rollout statistics of the step's whole batch, and the replica's share of the rollouts."""
         batch, first, stats, dropped, generated_tokens = self.sample_step(step, step_prompts)
         self.engine.sleep()  # the trainer needs the memory now
         share = share_of_replica(batch, self.groups, device=self.device)
@@ -230,7 +248,7 @@ class Trainer:
                                "groups (algorithm.dynamic_sampling.on_exhausted: error, verl's behaviour). The data "
                                "may be too hard or too easy for the policy: raise max_num_gen_batches (0 = no "
                                "limit), or set on_exhausted: fill to complete the batch with inert groups")
-        return batch_to(step_batch, self.device), share.rewards_GN.reshape(-1).double(), sums
+        return batch_to(step_batch, self.device), share.rewards_GN.reshape(-1).double(), sums, share
 
     def sample_step(self, step: int, step_prompts: list[Prompt] | None
                     ) -> tuple[RolloutGroups, RolloutGroups, SamplingStats, dict[str, int], int]:

@@ -108,6 +108,9 @@ def test_plan_reports_qwen2_5_32b_exactly(capsys):
     assert report["world_size"] == 128 and report["layout"]["dp"] == 8
     assert report["command"].startswith("NNODES=16 GPUS_PER_NODE=8 NODE_RANK=<0..15>")
     assert report["command"].endswith(f"bash tools/launch.sh {R32}")
+    assert report["torchrun"] == ("python -m torch.distributed.run --nnodes=16 --node-rank=$NODE_RANK "
+                                  "--nproc-per-node=8 --master-addr=$MASTER_ADDR --master-port=29500 "
+                                  f"-m megatron_rlcorr.train --config {R32}")
     assert main(["plan", str(R32), "--nodes", "16", "--gpus-per-node", "8"]) == 0
     text = capsys.readouterr().out
     assert "32,763,876,352 in total" in text and "fits" in text and "tools/launch.sh" in text

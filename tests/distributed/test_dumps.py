@@ -1,0 +1,65 @@
+"""`trainer.dump_every`: the step's rollouts with the trainer's log-probs in runs/<name>/dumps, the
+same records under every layout as on one process (rollouts are layout-free; the trainer's
+log-probs agree to float rounding), bounded by trainer.dump_max_samples, also in bypass mode."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_rlcorr.data.rollout_file import read_rollouts
+from tests.dist import run_distributed
+from tests.runs import train_runs
+
+pytestmark = [pytest.mark.distributed]
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0",
+         "trainer.tensorboard=false", "trainer.steps=2", "algorithm.dynamic_sampling.enabled=false"]
+
+
+def _dump(run_dir: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "dumps" / f"step_{step}.jsonl").read_text().splitlines()]
+
+
+def _runs(tmp_path, layouts):
+    return [(TINY, [*SMALL, f"name={name}", f"trainer.output_dir={tmp_path}", *extra]) for name, extra in layouts]
+
+
+def test_dumps_hold_the_step_batch_the_same_under_every_layout(tmp_path):
+    dump = ["trainer.dump_every=1"]
+    run_distributed(train_runs, 1, _runs(tmp_path, [("one", dump)]))
+    layouts = [("dp2", dump), ("tp2", [*dump, "parallel.tp=2"]), ("pp2", [*dump, "parallel.pp=2"]),
+               ("bounded", [*dump, "trainer.dump_max_samples=6", "trainer.dump_every=2"]),
+               ("bypass", [*dump, "algorithm.rollout_correction={bypass_mode: true, use_policy_gradient: true, "
+                                  "rollout_is: token, rollout_is_threshold: 2.0}", "trainer.steps=1"])]
+    run_distributed(train_runs, 2, _runs(tmp_path, layouts))
+    for step in (1, 2):
+        ref = _dump(tmp_path / "one", step)
+        assert len(ref) == 16 and {r["step"] for r in ref} == {step}
+        for r in ref:
+            assert len(r["log_probs"]) == len(r["rollout_log_probs"]) == len(r["response_ids"]) >= 1
+            assert r["finish_reason"] in ("eos", "length") and math.isfinite(r["reward"])
+            # bf16 engine vs fp32 trainer: close, not equal (the mismatch the correction is for)
+            assert max(abs(a - b) for a, b in zip(r["log_probs"], r["rollout_log_probs"])) < 0.1
+        assert any(r["log_probs"] != r["rollout_log_probs"] for r in ref)
+        for name in ("dp2", "tp2", "pp2"):
+            other = _dump(tmp_path / name, step)
+            assert [{k: v for k, v in r.items() if k != "log_probs"} for r in other] == \
+                [{k: v for k, v in r.items() if k != "log_probs"} for r in ref], name
+            for a, b in zip(other, ref):
+                assert a["log_probs"] == pytest.approx(b["log_probs"], rel=1e-5, abs=1e-5), name
+    assert not (tmp_path / "bounded" / "dumps" / "step_1.jsonl").exists()
+    bounded = _dump(tmp_path / "bounded", 2)
+    assert len(bounded) == 6  # 3 from each of the 2 replicas, in DP-rank order
+    ref2 = _dump(tmp_path / "one", 2)
+    assert [r["response_ids"] for r in bounded] == [r["response_ids"] for r in ref2[:3] + ref2[8:11]]
+    bypass = _dump(tmp_path / "bypass", 1)  # bypass mode has no pi_old pass: the dump runs one
+    assert [r["response_ids"] for r in bypass] == [r["response_ids"] for r in _dump(tmp_path / "one", 1)]
+    for a, b in zip(bypass, _dump(tmp_path / "one", 1)):
+        assert a["log_probs"] == pytest.approx(b["log_probs"], rel=1e-5, abs=1e-5)
+    records = read_rollouts(tmp_path / "dp2" / "dumps" / "step_1.jsonl")  # the score format reads it
+    assert len(records) == 16 and records[0].rollout_log_probs == _dump(tmp_path / "dp2", 1)[0]["rollout_log_probs"]
