@@ -31,7 +31,7 @@ from typing import Sequence
 
 from .memory import (GiB, MemoryEstimate, estimate_memory, micro_batch_tokens, parameter_counts, sequence_tokens,
                      usable_bytes)
-from .recipe import Recipe, load_recipe
+from .recipe import Recipe, divisors, load_recipe
 
 NVLINK_BYTES_PER_S = 450e9
 NETWORK_BYTES_PER_S = 50e9
@@ -55,8 +55,13 @@ class Candidate:
 
     @property
     def overrides(self) -> list[str]:
-        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.cp={self.cp}", "parallel.vpp=null",
-                f"parallel.sequence_parallel={'true' if self.tp > 1 else 'false'}", *RECOMPUTE_CHOICES[self.recompute]]
+        return layout_overrides(self.tp, self.pp, self.cp, self.recompute)
+
+
+def layout_overrides(tp: int, pp: int, cp: int, recompute: str) -> list[str]:
+    """The recipe overrides of one candidate layout (sequence parallelism whenever TP > 1)."""
+    return [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", "parallel.vpp=null",
+            f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}", *RECOMPUTE_CHOICES[recompute]]
 
 
 def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int,
@@ -66,17 +71,14 @@ def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gp
     world = nodes * gpus_per_node
     heads_and_groups = math.gcd(base.model.num_attention_heads, base.model.num_query_groups)
     found = []
-    for tp in (t for t in _divisors(heads_and_groups) if t <= gpus_per_node):
-        for pp in _divisors(base.model.num_layers):
+    for tp in (t for t in divisors(heads_and_groups) if t <= gpus_per_node):
+        for pp in divisors(base.model.num_layers):
             for cp in (1, 2, 4, 8):
                 if world % (tp * pp * cp):
                     continue
                 for recompute in RECOMPUTE_CHOICES:
-                    layout = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", "parallel.vpp=null",
-                              f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
-                              *RECOMPUTE_CHOICES[recompute]]
                     try:
-                        recipe = load_recipe(path, [*overrides, *layout])
+                        recipe = load_recipe(path, [*overrides, *layout_overrides(tp, pp, cp, recompute)])
                         dp = recipe.check_layout(world, here=False)
                     except ValueError:
                         continue
@@ -124,7 +126,3 @@ def _recomputed_share(recipe: Recipe) -> float:
         return 1 / 3
     mlp = 3 * shape.hidden_size * shape.ffn_hidden_size / shape.layer_parameters
     return mlp / 3 if "mlp" in recompute.modules else 0.0
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

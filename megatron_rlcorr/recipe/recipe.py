@@ -81,7 +81,7 @@ class Recipe:
         prompts, n = self.data.prompts_per_step, self.rollout.n
         mini = self.trainer.mini_batch_prompts or prompts
         if prompts % mini or (mini * n) % dp:
-            working = [m for m in _divisors(prompts) if (m * n) % dp == 0]
+            working = [m for m in divisors(prompts) if (m * n) % dp == 0]
             raise ValueError(f"trainer.mini_batch_prompts={mini} must divide data.prompts_per_step={prompts}, and its "
                              f"sequences (x rollout.n={n}) must split evenly over the data-parallel size {dp}: "
                              f"values that work: {_some(working)}")
@@ -91,7 +91,7 @@ class Recipe:
         elif per_rank % self.trainer.micro_batch_size:
             raise ValueError(f"trainer.micro_batch_size={self.trainer.micro_batch_size} must divide the sequences per "
                              f"rank per mini-batch ({per_rank} = mini_batch_prompts {mini} x n {n} / dp {dp}): values "
-                             f"that work: {_some(_divisors(per_rank))}")
+                             f"that work: {_some(divisors(per_rank))}")
         return per_rank
 
     def _check_token_budget(self) -> None:
@@ -119,7 +119,7 @@ class Recipe:
         rollout, model = self.rollout, self.model
         rtp = rollout.tensor_parallel_size
         heads, groups = model.num_attention_heads, model.num_query_groups
-        working = [t for t in _divisors(world_size) if heads % t == 0 and (groups % t == 0 or t % groups == 0)]
+        working = [t for t in divisors(world_size) if heads % t == 0 and (groups % t == 0 or t % groups == 0)]
         if world_size % rtp:
             raise ValueError(f"rollout.tensor_parallel_size={rtp} must divide the world size {world_size} (every rank "
                              f"belongs to one rollout engine): launch a multiple of it, or use one of {_some(working)}")
@@ -147,13 +147,13 @@ class Recipe:
         tp, pp, cp, vpp = self.parallel.tp, self.parallel.pp, self.parallel.cp, self.parallel.vpp or 1
         if heads % tp or groups % tp:
             raise ValueError(f"model heads ({heads}) and query groups ({groups}) must be divisible by parallel.tp={tp}: "
-                             f"use one of {_some(_divisors(math.gcd(heads, groups)))}")
+                             f"use one of {_some(divisors(math.gcd(heads, groups)))}")
         if layers % (pp * vpp):
-            working = [p for p in _divisors(layers) if layers % (p * vpp) == 0]
+            working = [p for p in divisors(layers) if layers % (p * vpp) == 0]
             raise ValueError(f"model.num_layers={layers} must be divisible by parallel.pp*vpp={pp}*{vpp}: use pp in "
                              f"{_some(working)}" + (" or another vpp" if vpp > 1 else ""))
         if world_size % (tp * pp * cp):
-            pps = [p for p in _divisors(layers) if world_size % (tp * p * cp) == 0 and layers % (p * vpp) == 0]
+            pps = [p for p in divisors(layers) if world_size % (tp * p * cp) == 0 and layers % (p * vpp) == 0]
             raise ValueError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = "
                              f"{tp * pp * cp}; launch a multiple of {tp * pp * cp} processes, or use parallel.pp in "
                              f"{_some(pps)} (or change parallel.tp/cp)")
@@ -193,7 +193,7 @@ class Recipe:
                              f"{task.tokenizer.vocab_size})")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
