@@ -1,4 +1,4 @@
-"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | score | export | plan | presets | import-verl.
+"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | score | export | plan | presets | import-verl | analyze.
 
     megatron-rlcorr train --config recipes/tiny_cpu.yaml [--nproc 2] [section.key=value ...]
     megatron-rlcorr score --model SRC --rollouts IN.jsonl --out OUT.jsonl [--nproc N] [--config R] [k=v ...]
@@ -6,6 +6,7 @@
     megatron-rlcorr plan RECIPE --nodes N --gpus-per-node G [--gpu-memory-gib 80] [--json] [--search] [k=v ...]
     megatron-rlcorr presets
     megatron-rlcorr import-verl SCRIPT_OR_YAML --out RECIPE.yaml
+    megatron-rlcorr analyze INPUT --out DIR [--config RECIPE] [algorithm.rollout_correction.k=v ...]
 
 Each launching command validates its arguments for the requested number of processes first (so
 a typo fails in a second, not after a rendezvous), then runs `python -m torch.distributed.run
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     importer.add_argument("source", metavar="SCRIPT_OR_YAML",
                           help="a verl run script (bash), a verl YAML config or a file of key=value overrides")
     importer.add_argument("--out", required=True, help="the recipe YAML to write")
+    analyzer = commands.add_parser("analyze", help="the rollout mismatch of a scored file, dumps or a run: statistics, "
+                                                   "every preset on the data, findings and plots (analysis/)")
+    _entry("analyze").add_arguments(analyzer)
     args, extra = parser.parse_known_args(argv)
     # Overrides may follow options (`score ... parallel.tp=2 --nproc 2 model.bf16=true`): argparse
     # leaves those after an option unparsed.
@@ -65,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "import-verl":
         return import_verl_command(args.source, args.out)
+    if args.command == "analyze":
+        from .analyze import analyze_command
+
+        return analyze_command(args.input, args.out, args.config, args.overrides)
     if args.command == "plan":
         from .plan import plan_command
 

@@ -63,3 +63,28 @@ def test_dumps_hold_the_step_batch_the_same_under_every_layout(tmp_path):
         assert a["log_probs"] == pytest.approx(b["log_probs"], rel=1e-5, abs=1e-5)
     records = read_rollouts(tmp_path / "dp2" / "dumps" / "step_1.jsonl")  # the score format reads it
     assert len(records) == 16 and records[0].rollout_log_probs == _dump(tmp_path / "dp2", 1)[0]["rollout_log_probs"]
+
+
+def test_analyze_reads_a_tiny_cpu_run_and_reproduces_the_trainers_metrics(tmp_path):
+    """`analyze` on the dumps of a real tiny_cpu run: one step's file gives exactly the correction
+    metrics the trainer logged for that step; the run directory adds the trend over steps."""
+    from megatron_rlcorr.cli import main
+    from tests.runs import read_metrics
+
+    run_distributed(train_runs, 1, _runs(tmp_path, [("run", ["trainer.dump_every=1", "trainer.steps=3"])]))
+    run_dir = tmp_path / "run"
+    logged = read_metrics(run_dir)
+    for step in (1, 3):
+        out = tmp_path / f"analysis_{step}"
+        assert main(["analyze", str(run_dir / "dumps" / f"step_{step}.jsonl"), "--out", str(out)]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["num_sequences"] == 16
+        for name in ("kl", "k3_kl", "log_ppl_diff", "chi2_token"):
+            assert summary["statistics"][name] == pytest.approx(logged[step - 1][f"rollout_corr/{name}"], rel=1e-5,
+                                                                abs=1e-9), name
+        assert summary["findings"] == []  # bf16 against fp32 on a tiny model: nothing to flag
+    out = tmp_path / "analysis_run"
+    assert main(["analyze", str(run_dir), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_sequences"] == 48 and len(summary["trend"]["steps"]) == 3
+    assert (out / "report.md").is_file() and any(out.glob("*.png"))

@@ -21,8 +21,8 @@ LAYERS = {
     "rollout": 6, "data": 6,
     "rl": 7,
     "recipe": 8,
-    "runtime": 9,
-    "train": 10, "score": 10, "export": 10, "plan": 10,
+    "runtime": 9, "analysis": 9,
+    "train": 10, "score": 10, "export": 10, "plan": 10, "analyze": 10,
     "cli": 11,
 }
 

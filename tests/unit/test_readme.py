@@ -111,3 +111,35 @@ def test_the_cluster_section_commands_run(tmp_path, capsys, monkeypatch):
             torchrun = [line for line in out.stdout.splitlines() if line.startswith("+ ")]
             assert len(torchrun) == 1 and "--nnodes=16" in torchrun[0] and "--nproc-per-node=8" in torchrun[0]
             assert "-m megatron_rlcorr.train --config recipes/dapo_qwen2.5_32b_rollout_corr.yaml" in torchrun[0]
+
+
+def test_the_analyze_section_commands_run(tmp_path, monkeypatch, capsys):
+    """"Seeing the mismatch": the train command writes dumps (tests/distributed/test_dumps.py trains
+    tiny_cpu with dump_every and analyzes the run); the analyze command runs here, as written, on a
+    run directory laid out as that run's (dumps, metrics.jsonl, recipe.yaml) with mismatched data."""
+    import json
+    import shlex
+    import shutil
+
+    from megatron_rlcorr.cli import main
+    from tests.unit.test_analyze import _records, _write
+
+    section = (ROOT / "README.md").read_text().split("## Seeing the mismatch", 1)[1].split("\n## ", 1)[0]
+    commands = [shlex.split(line) for line in re.search(r"```bash\n(.*?)```", section, re.S).group(1).splitlines()
+                if line.strip()]
+    assert [c[:2] for c in commands] == [["megatron-rlcorr", "train"], ["megatron-rlcorr", "analyze"]]
+    assert "trainer.dump_every=25" in commands[0]
+    run = tmp_path / "runs" / "tiny_cpu"
+    for step in (25, 50, 75, 100):
+        _write(run / "dumps" / f"step_{step}.jsonl",
+               _records(40, seed=step, noise=0.05 * step / 25, extra={"step": step, "reward": 1.0,
+                                                                        "finish_reason": "eos"}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "rollout_corr/k3_kl": 1e-3 * s}) + "\n"
+                                               for s in range(1, 101)))
+    shutil.copy(ROOT / "recipes" / "tiny_cpu.yaml", run / "recipe.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert main(commands[1][1:]) == 0
+    summary = json.loads((run / "analysis" / "summary.json").read_text())
+    assert summary["num_sequences"] == 160
+    assert "kl_rising" in {f["check"] for f in summary["findings"]}
+    assert (run / "analysis" / "report.md").is_file()
