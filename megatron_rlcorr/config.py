@@ -180,16 +180,24 @@ class RolloutCorrectionConfig:
     use_pure_rollout_correction, loss_type ("reinforce" | "ppo_clip").
     """
 
+    # IS weight level: "token" (each token's ratio pi_old / pi_rollout; in bypass mode pi_theta, detached,
+    # takes pi_old's place) or "sequence" (the response's ratio, on all its tokens); None: no weights
     rollout_is: ISLevel | None = None
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: float = 2.0  # C > 0: the weights are truncated at C from above
+    # None: truncate at C only (the IS metrics use 1/C as the low mark); set (0 < lower <= C): clip to [lower, C]
     rollout_is_threshold_lower: float | None = None
-    rollout_is_batch_normalize: bool = False
+    rollout_is_batch_normalize: bool = False  # rescale the truncated weights to mean 1 over the batch
+    # Rejection sampling: a ratio level "token", "sequence" or "geometric", or divergence options
+    # (token_k1, seq_max_k3, ...; a list or a comma-separated string); None: no rejection
     rollout_rs: str | tuple[str, ...] | None = None
+    # RS upper bound (> 0), required when rollout_rs is set: one number, or one entry per divergence
+    # option (a list, or a string like "0.5_2.0,3.0" where "L_U" gives a k1 option both bounds)
     rollout_rs_threshold: float | str | tuple[Any, ...] | None = None
-    rollout_rs_threshold_lower: float | None = None
+    rollout_rs_threshold_lower: float | None = None  # RS lower ratio bound (ratio and k1 options); None: 1/upper
+    # > 0: reject a whole sequence if any of its tokens has a ratio below it (in every mode); None: no veto
     rollout_token_veto_threshold: float | None = None
-    bypass_mode: bool = False
-    use_policy_gradient: bool = False
+    bypass_mode: bool = False  # 2-policy mode: pi_old := pi_rollout, no old-log-prob forward pass; false: decoupled
+    use_policy_gradient: bool = False  # REINFORCE-style policy-gradient loss instead of PPO-clip; needs bypass_mode
     rejection_rules: tuple[RejectionRule, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __init__(self, **options: Any) -> None:

@@ -201,16 +201,16 @@ class DataSettings:
     the built-in `task` ("digit_sum" when unset) built with `task_args`.
     """
 
-    task: str | None = None
-    task_args: dict = field(default_factory=dict)
+    task: str | None = None  # a built-in task (digit_sum, copy, reverse, jsonl); None: digit_sum unless train_files
+    task_args: dict = field(default_factory=dict)  # the built-in task's arguments (digit_sum: {digits: 2})
     prompts_per_step: int = 32  # global, over all data-parallel ranks
     train_files: list[str] = field(default_factory=list)  # parquet / JSONL, read in this order
     prompt_key: str = "prompt"  # dotted keys reach nested fields
-    answer_key: str = "reward_model.ground_truth"
+    answer_key: str = "reward_model.ground_truth"  # the (dotted) key of a row's ground truth, given to the reward
     max_prompt_length: int | None = None  # tokens after the chat template; None: no limit
-    on_long_prompt: OnLongPrompt = "drop"
-    skip_bad_rows: bool = False
-    shuffle: bool = True
+    on_long_prompt: OnLongPrompt = "drop"  # a prompt over max_prompt_length: drop (skip it, counted) or error (stop)
+    skip_bad_rows: bool = False  # skip rows with a missing key or a malformed prompt (counted); false: stop the run
+    shuffle: bool = True  # a new row order each epoch, drawn from trainer.seed; false: the files' order
     tokenizer: str | None = None  # a tokenizer directory; default: the model's Hugging Face checkpoint
     reward: str = "dapo_math"  # a built-in reward, or "package.module:function"
 

@@ -31,7 +31,10 @@ PADDED_VOCAB_LOGIT = -1.0e30
 class Fp8Config:
     """FP8 training through Transformer Engine: number format and scaling recipe."""
 
-    format: Fp8Format = "e4m3"
+    format: Fp8Format = "e4m3"      # e4m3: E4M3 for every FP8 tensor; hybrid: E4M3 forward, E5M2 gradients
+    # Transformer Engine's scaling: delayed (per-tensor scales from an amax history), tensorwise (per-tensor,
+    # current), blockwise (per-block scales), mxfp8 (one scale per 32 elements; Blackwell GPUs); a
+    # Megatron-Core without TransformerConfig.fp8_recipe runs delayed only.
     recipe: Fp8RecipeName = "delayed"
 
     def __post_init__(self) -> None:
@@ -55,7 +58,7 @@ class RecomputeSettings:
     activations grow with the square of the sequence without flash attention).
     """
 
-    granularity: RecomputeGranularity = "full"
+    granularity: RecomputeGranularity = "full"                # full: rerun whole layers; selective: only `modules`
     method: RecomputeMethod = "uniform"                       # full only
     num_layers: int = 1                                       # full only
     modules: tuple[RecomputeModule, ...] = ("core_attn",)     # selective only
@@ -83,24 +86,26 @@ class RecomputeSettings:
 class ModelConfig:
     """The recipe's `model:` section (Megatron-Core names where one exists)."""
 
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    ffn_hidden_size: int
+    vocab_size: int                      # tokens of the vocabulary, unpadded; must cover the task's tokenizer
+    hidden_size: int                     # model width: the embedding and residual-stream size
+    num_layers: int                      # decoder layers; divisible by parallel.pp * parallel.vpp
+    num_attention_heads: int             # query heads; divisible by parallel.tp
+    ffn_hidden_size: int                 # the SwiGLU MLP's inner size (HF intermediate_size)
     num_query_groups: int | None = None  # None: one K/V head per query head (no GQA)
     kv_channels: int | None = None       # head dimension; None: hidden_size // num_attention_heads
-    max_position_embeddings: int = 4096
-    rotary_base: float = 10000.0
-    add_qkv_bias: bool = False
+    max_position_embeddings: int = 4096  # context length (tokens): prompt + response may not exceed it
+    rotary_base: float = 10000.0         # rotary embedding base theta (HF rope_theta); > 0
+    add_qkv_bias: bool = False           # biases on the query, key and value projections (Qwen2)
     qk_layernorm: bool = False           # RMSNorm of every query and key head (Qwen3)
-    tie_embeddings: bool = False
-    norm_epsilon: float = 1e-6
+    tie_embeddings: bool = False         # the output layer shares the embedding's weights (HF tie_word_embeddings)
+    norm_epsilon: float = 1e-6           # RMSNorm epsilon (HF rms_norm_eps); > 0
     rope_scaling: bool = False           # LLaMA 3.x rotary frequency scaling
-    rope_scaling_factor: float = 8.0
+    rope_scaling_factor: float = 8.0     # with rope_scaling: long wavelengths are divided by it; > 0
+    # Standard deviation of the seeded normal initialisation (divided by sqrt(2 * num_layers) for the
+    # attention output and MLP down projections); unused with hf_checkpoint; > 0.
     init_method_std: float = 0.02
     params_dtype: ParamsDtype | None = None  # None: "bfloat16" with bf16, else "float32"
-    bf16: bool = False
+    bf16: bool = False                   # bfloat16 weights and compute (float32 master weights); false: float32
     fp8: Fp8Config | None = None
     recompute: RecomputeSettings | None = None  # activation recomputation; None: keep every activation
     # Megatron pads the vocabulary to a multiple of this times the TP size (GEMM efficiency);

@@ -10,11 +10,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    vpp: int | None = None
-    sequence_parallel: bool = False
+    """The recipe's `parallel:` section: how Megatron-Core splits the model over the ranks.
+
+    The data-parallel size is derived, world size / (tp * pp * cp); docs/parallel.md describes
+    each dimension.
+    """
+
+    tp: int = 1                      # tensor-parallel size: attention heads and MLP split over tp ranks; >= 1
+    pp: int = 1                      # pipeline stages (1F1B); num_layers divisible by pp * vpp; >= 1
+    cp: int = 1                      # context-parallel size: each sequence in 2*cp zigzag chunks over cp ranks; >= 1
+    vpp: int | None = None           # virtual pipeline stages per rank (interleaved 1F1B); needs pp > 1; None: off
+    sequence_parallel: bool = False  # activations outside attention/MLP split over TP; needs tp > 1, TE (GPU)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):

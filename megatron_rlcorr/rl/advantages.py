@@ -41,9 +41,9 @@ def informative_groups(rewards_GN: torch.Tensor) -> torch.Tensor:
 class OverlongPenalty:
     """DAPO soft overlong punishment: responses within `buffer` tokens of the limit lose up to `penalty`."""
 
-    enabled: bool = False
-    buffer: int = 4
-    penalty: float = 1.0
+    enabled: bool = False  # add the penalty (<= 0) to each response's reward
+    buffer: int = 4        # tokens before rollout.max_new_tokens where the penalty starts; >= 1, below that limit
+    penalty: float = 1.0   # reward lost at the limit, linearly from 0 at max_new_tokens - buffer; >= 0
 
     def __post_init__(self) -> None:
         if self.buffer < 1 or self.penalty < 0:

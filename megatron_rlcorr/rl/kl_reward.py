@@ -30,12 +30,12 @@ _PROPORTIONAL_CLIP = 0.2
 class KLInRewardSettings:
     """The recipe's `algorithm.kl_in_reward` (verl: use_kl_in_reward, kl_penalty, kl_ctrl.*)."""
 
-    enabled: bool = False
-    coef: float = 0.001
-    type: KLType = "kl"
-    controller: Controller = "fixed"
-    target_kl: float = 0.1
-    horizon: int = 10000
+    enabled: bool = False             # reward -= beta x the response's summed per-token KL to the reference policy
+    coef: float = 0.001               # beta: fixed, or the adaptive controller's initial value; finite, >= 0
+    type: KLType = "kl"               # per-token estimator (training/kl.py)
+    controller: Controller = "fixed"  # fixed: beta = coef; adaptive: beta steered to target_kl (rl/kl_reward.py)
+    target_kl: float = 0.1            # adaptive: the per-token KL (mean over the step's sequences) to steer to; > 0
+    horizon: int = 10000              # adaptive: beta changes per step by at most 0.2 x the step's sequences / horizon
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, KL_TYPES)

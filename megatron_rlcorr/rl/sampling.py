@@ -177,9 +177,9 @@ class DynamicSampling:
                       "max_num_gen_batches: k + 1",
     }
 
-    enabled: bool = False
+    enabled: bool = False                 # drop groups whose metric is equal for all samples; generate more to refill
     metric: FilterMetric = "acc"          # acc (verl's default in the DAPO scripts), score, or reward (+ overlong)
-    max_num_gen_batches: int = 10
+    max_num_gen_batches: int = 10         # generation batches per step at most, the first included; 0: no limit
     on_exhausted: OnExhausted = "fill"    # fill: inert fillers; error: stop the run, as verl does
 
     def __post_init__(self) -> None:

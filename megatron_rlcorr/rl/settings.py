@@ -30,22 +30,22 @@ class TrainerSettings:
                            "whole step batch)",
     }
 
-    steps: int = 10
+    steps: int = 10                # RL steps (rollouts, then ppo_epochs passes over them); the lr schedule's length
     mini_batch_prompts: int = 0    # prompts (x rollout.n sequences) per optimizer step, all DP ranks; 0 = all
     micro_batch_size: int = 8      # sequences per forward pass on one rank (padded micro-batches)
     # > 0: pack sequences into micro-batches of at most this many tokens per rank (verl's
     # ppo_max_token_len_per_gpu with use_dynamic_bsz); micro_batch_size then sizes only score's calls
     max_tokens_per_micro_batch: int = 0
-    ppo_epochs: int = 1
-    seed: int = 1234
-    output_dir: str = "runs"
+    ppo_epochs: int = 1            # passes over each step's batch, one optimizer step per mini-batch
+    seed: int = 1234               # seeds initial weights (without hf_checkpoint), prompt draws, sampling, data order
+    output_dir: str = "runs"       # the run writes to `<output_dir>/<name>/` (metrics, checkpoints, recipe)
     save_every: int = 0            # 0 = only at the end
     resume: bool = True            # continue from the latest checkpoint in runs/<name> if there is one
-    log_every: int = 1
+    log_every: int = 1             # log metrics (metrics.jsonl, TensorBoard) every K steps and at the last
     tensorboard: bool = True       # when tensorboard is installed
     exit_interval: int = 0         # Megatron's --exit-interval: save and stop after steps divisible by it; 0 = off
     save_hf: bool = False          # at the end of the run, also write <run_dir>/hf as a Hugging Face checkpoint
-    save_hf_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    save_hf_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the weights' dtype in the save_hf checkpoint
     timeout_minutes: int = 60      # every process group's collective timeout (long generations wait)
     async_save: bool = False       # write checkpoints from a background process while training goes on
     dump_every: int = 0            # > 0: write every K-th step's rollouts to <run_dir>/dumps/ (rl/dumps.py)
@@ -64,8 +64,10 @@ class TrainerSettings:
 class AlgorithmSettings:
     """Advantages, dynamic sampling, overlong penalty, the policy loss and the rollout correction."""
 
+    # Per group of rollout.n samples of a prompt: grpo, (r - group mean) / (group std + 1e-6);
+    # rloo, r - the mean of the group's other samples.
     advantage_estimator: Literal["grpo", "rloo"] = "grpo"
-    norm_adv_by_std: bool = True
+    norm_adv_by_std: bool = True   # grpo: divide by the group's std; false: r - group mean (Dr. GRPO); rloo ignores it
     dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
     overlong_penalty: OverlongPenalty = field(default_factory=OverlongPenalty)
     kl_loss: KLLossSettings = field(default_factory=KLLossSettings)

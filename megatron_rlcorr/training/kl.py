@@ -41,9 +41,9 @@ class KLLossSettings:
     """The recipe's `algorithm.kl_loss`: a KL penalty to the reference policy in the loss (verl's
     actor.use_kl_loss / kl_loss_coef / kl_loss_type; same defaults)."""
 
-    enabled: bool = False
-    coef: float = 0.001
-    type: KLType = "low_var_kl"
+    enabled: bool = False        # add coef * KL(pi_theta || pi_ref) to the loss (builds the reference policy)
+    coef: float = 0.001          # the KL term's weight; finite, >= 0
+    type: KLType = "low_var_kl"  # per-token estimator (training/kl.py); a + suffix takes k2's gradient
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, KL_TYPES)

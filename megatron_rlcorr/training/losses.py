@@ -48,12 +48,12 @@ MetricPartial = tuple[torch.Tensor, torch.Tensor]  # (sum, count), 0-d device te
 class LossConfig:
     """The recipe's `algorithm.loss` (verl's actor settings of the same names and defaults)."""
 
-    loss_type: LossType = "ppo_clip"
+    loss_type: LossType = "ppo_clip"       # ppo_clip: clipped pi_theta / pi_old ratio; policy_gradient: -A log pi_theta
     clip_ratio: float = 0.2                # the symmetric clip; the default of the two below
     clip_ratio_low: float | None = None    # ratio clipped below at 1 - clip_ratio_low
     clip_ratio_high: float | None = None   # and above at 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float | None = 3.0       # dual clip: for A < 0 the loss is capped at -A * c
-    loss_agg_mode: LossAggMode = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"  # mini-batch normaliser: tokens or sequences (docs/math.md)
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's F; None: the response limit
     entropy_coeff: float = 0.0             # loss -= entropy_coeff * agg(entropy)
 

@@ -58,17 +58,21 @@ if TYPE_CHECKING:
 class OptimSettings:
     """The recipe's `optim:` section: Adam, clipping and the learning-rate schedule."""
 
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    warmup_steps: int = 0
+    lr: float = 1e-3                # peak learning rate; > 0
+    min_lr: float = 0.0             # the lr at the end of a linear or cosine decay; 0 <= min_lr <= lr
+    warmup_steps: int = 0           # RL steps of linear warm-up from lr 0 (so step 1 trains at lr 0); 0: none
+    # After the warm-up: constant lr, or a linear / cosine decay that reaches min_lr after trainer.steps; the
+    # schedule advances once per RL step, so every optimizer step of an RL step has the same lr.
     decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = True
-    overlap_grad_reduce: bool = False
+    weight_decay: float = 0.0       # decoupled (AdamW) weight decay; biases and norm weights are exempt
+    adam_beta1: float = 0.9         # Adam's first-moment decay
+    adam_beta2: float = 0.999       # Adam's second-moment decay
+    adam_eps: float = 1e-8          # Adam's epsilon in the update's denominator
+    clip_grad: float = 1.0          # clip the global gradient norm (all ranks) to this; 0: no clipping
+    use_distributed_optimizer: bool = True  # shard float32 master weights and Adam moments over DP x CP (ZeRO-1)
+    overlap_grad_reduce: bool = False       # reduce gradient buckets during the last micro-batch's backward
+    # Defer the updated weights' all-gather to the next forward; needs use_distributed_optimizer and
+    # overlap_grad_reduce.
     overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
