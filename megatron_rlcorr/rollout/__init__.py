@@ -23,11 +23,13 @@ def make_engine(cfg: RolloutConfig, model: ModelConfig, *, eos_token_id: int | S
 
     vLLM also takes `model.hf_checkpoint` (its config and tokenizer), `token_vocab_size` (the
     tokenizer's: rows of a padded vocabulary beyond it are never sampled), `max_model_len` and
-    `seed`; its import happens here, and only for engine: vllm.
+    `seed`; its import happens here, and only for engine: vllm. `cfg.policy_lag` goes to the
+    embedded engine (RolloutConfig refuses it for vLLM).
     """
     if cfg.engine == "embedded":
         return EmbeddedEngine(model.decoder_shape, precision=cfg.precision, eos_token_id=eos_token_id,
-                              pad_token_id=pad_token_id, logprobs=cfg.logprobs, device=device)
+                              pad_token_id=pad_token_id, logprobs=cfg.logprobs, device=device,
+                              policy_lag=cfg.policy_lag)
     from .vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg, model, eos_token_id=eos_token_id, token_vocab_size=token_vocab_size,

@@ -49,6 +49,10 @@ class RolloutConfig:
     also reads `gpu_memory_utilization`, `sleep_level` (0: stay resident; 1: weights to host
     memory during training; 2: drop them, they are re-synced anyway) and `max_model_len` (None:
     the prompt limit plus `max_new_tokens`).
+
+    `policy_lag` K (embedded engine only) emulates asynchronous RL: the engine samples, and reports
+    log-probs, with the weights of K steps ago (embedded.EmbeddedEngine), so the rollout
+    correction sees off-policy mismatch on top of the numerical one. 0: the latest weights.
     """
 
     engine: EngineName = "embedded"
@@ -63,6 +67,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.6
     sleep_level: int = 2
     max_model_len: int | None = None
+    policy_lag: int = 0               # steps the embedded engine's weights lag the trainer's
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, ENGINES)
@@ -91,9 +96,18 @@ class RolloutConfig:
         if self.sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level must be 0 (stay resident), 1 (weights to host memory) or 2 (drop the "
                              f"weights) while training, got {self.sleep_level}")
+        self._check_policy_lag()
         if self.max_model_len is not None and self.max_model_len < self.max_new_tokens + 1:
             raise ValueError(f"max_model_len={self.max_model_len} leaves no room for a prompt and max_new_tokens="
                              f"{self.max_new_tokens}; raise it or leave it null (derived from the prompt limit)")
+
+    def _check_policy_lag(self) -> None:
+        if isinstance(self.policy_lag, bool) or not isinstance(self.policy_lag, int) or self.policy_lag < 0:
+            raise ValueError(f"rollout.policy_lag must be an integer >= 0 (0: sample with the latest weights; K: "
+                             f"with the weights of K steps ago), got {self.policy_lag!r}")
+        if self.policy_lag and self.engine != "embedded":
+            raise ValueError(f"rollout.policy_lag={self.policy_lag} is emulated by the embedded engine only, not "
+                             f"rollout.engine={self.engine!r}: use rollout.engine: embedded, or rollout.policy_lag: 0")
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -18,10 +18,20 @@ Precision modes:
   with online weight quantisation. Embedding, norms, biases and lm_head stay bf16, and
   activations are not quantised (weight-only emulation).
 
+Policy lag (`policy_lag` K, rollout.policy_lag): the asynchronous-RL mismatch, emulated. Every
+`load_weights` delivers the trainer's newest weights (the trainer loads once before step 1 and
+once after every step); the engine generates, scores and reports log-probs with the set it was
+given K loads before the latest, i.e. the policy of K steps ago, clipped at the first load (the
+first K steps sample with the initial weights). It keeps the K + 1 most recent sets, each
+converted as above (precision emulation unchanged): K + 1 copies of the model in the engine's
+dtype (2 bytes a parameter in bf16 and fp8, 4 in fp32). The history is not checkpointed: a resumed
+run starts it again from its first load. K = 0 keeps one set and is the engine without lag.
+
 Sequences are left-padded into one batch; positions start at 0 at each prompt's first token.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -101,11 +111,14 @@ class EmbeddedEngine:
 
     def __init__(self, shape: DecoderShape, *, precision: Precision = "fp32",
                  eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
-                 logprobs: LogprobsMode = "tempered", device: torch.device | str = "cpu") -> None:
+                 logprobs: LogprobsMode = "tempered", device: torch.device | str = "cpu",
+                 policy_lag: int = 0) -> None:
         if precision not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp8', got {precision!r}")
         if logprobs not in ("tempered", "processed"):
             raise ValueError(f"logprobs must be 'tempered' or 'processed', got {logprobs!r}")
+        if isinstance(policy_lag, bool) or not isinstance(policy_lag, int) or policy_lag < 0:
+            raise ValueError(f"policy_lag (rollout.policy_lag) must be an integer >= 0, got {policy_lag!r}")
         self.shape = shape
         self.precision = precision
         # Several ids may end a response (Qwen's <|im_end|> and <|endoftext|>).
@@ -116,6 +129,8 @@ class EmbeddedEngine:
         self.dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         self._inv_freq = rotary_inv_freq(shape, self.device)
         self.weights: _Weights | None = None  # in the engine's precision, q/k/v and gate/up fused
+        self.policy_lag = policy_lag
+        self._history: deque[_Weights] = deque(maxlen=policy_lag + 1)  # oldest first; weights = [0]
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -127,7 +142,8 @@ class EmbeddedEngine:
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all weights from a mapping or a stream of (neutral name, full tensor) pairs
         (model/weight_stream.py), converting each tensor as it arrives. A tied model's
-        lm_head.weight may be left out. The old weights stay until the new set is complete."""
+        lm_head.weight may be left out. The old weights stay until the new set is complete. With a
+        policy lag K the set generation uses becomes the one loaded K loads ago (module docstring)."""
         expected = neutral_weight_shapes(self.shape)
         pairs = weights.items() if isinstance(weights, Mapping) else weights
         w: dict[str, torch.Tensor] = {}
@@ -147,8 +163,14 @@ class EmbeddedEngine:
             raise ValueError(f"load_weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''} (names as in "
                              "model.weights.neutral_weight_shapes of the engine's DecoderShape)")
         layers = [self._fuse_layer(w, f"layers.{i}.") for i in range(self.shape.num_layers)]
-        self.weights = _Weights(embed=w["embed.weight"], layers=layers, final_norm=w["final_norm.weight"],
-                                lm_head=w["lm_head.weight"])
+        self._history.append(_Weights(embed=w["embed.weight"], layers=layers, final_norm=w["final_norm.weight"],
+                                      lm_head=w["lm_head.weight"]))
+        self.weights = self._history[0]  # the latest for K = 0, else K loads old (or the first)
+
+    @property
+    def weights_age(self) -> int:
+        """How many loads older than the latest the weights in use are (min(K, loads - 1))."""
+        return max(len(self._history) - 1, 0)
 
     def _convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to(self.device, torch.float32)
