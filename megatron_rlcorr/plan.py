@@ -68,7 +68,7 @@ def _check_launch(nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> None
 def launch_command(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int) -> str:
     """The command that launches the recipe: one launch.sh per node (tools/launch.sh), or
     `megatron-rlcorr train` on a single node."""
-    args = " ".join(shlex.quote(str(a)) for a in (path, *overrides))
+    args = _quoted(path, overrides)
     if nodes == 1:
         return f"megatron-rlcorr train --config {args} --nproc {gpus_per_node}"
     return (f"NNODES={nodes} GPUS_PER_NODE={gpus_per_node} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<first node> "
@@ -77,9 +77,13 @@ def launch_command(path: str | Path, overrides: Sequence[str], *, nodes: int, gp
 
 def torchrun_command(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int) -> str:
     """What each node runs (tools/launch.sh runs exactly this, with the node's rank and node 0's address)."""
-    args = " ".join(shlex.quote(str(a)) for a in (path, *overrides))
+    args = _quoted(path, overrides)
     return (f"python -m torch.distributed.run --nnodes={nodes} --node-rank=$NODE_RANK --nproc-per-node={gpus_per_node} "
             f"--master-addr=$MASTER_ADDR --master-port={DEFAULT_MASTER_PORT} -m megatron_rlcorr.train --config {args}")
+
+
+def _quoted(path: str | Path, overrides: Sequence[str]) -> str:
+    return " ".join(shlex.quote(str(a)) for a in (path, *overrides))
 
 
 def format_report(report: dict[str, Any]) -> str:

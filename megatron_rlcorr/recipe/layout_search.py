@@ -24,6 +24,7 @@ estimate orders layouts, it does not predict step times. Per GPU, per optimizer 
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ from typing import Sequence
 
 from .memory import (GiB, MemoryEstimate, estimate_memory, micro_batch_tokens, parameter_counts, sequence_tokens,
                      usable_bytes)
-from .recipe import Recipe, divisors, load_recipe
+from .recipe import Recipe, divisors, parse_recipe
+from .tree import apply_overrides, read_tree
 
 NVLINK_BYTES_PER_S = 450e9
 NETWORK_BYTES_PER_S = 50e9
@@ -67,7 +69,8 @@ def layout_overrides(tp: int, pp: int, cp: int, recompute: str) -> list[str]:
 def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int,
                    gpu_memory_gib: float) -> list[Candidate]:
     """Every candidate that validates and fits, cheapest first (module docstring)."""
-    base = load_recipe(path, overrides)
+    tree = read_tree(Path(path), overrides)  # read once; each candidate applies its layout to a copy
+    base = parse_recipe(tree)
     world = nodes * gpus_per_node
     heads_and_groups = math.gcd(base.model.num_attention_heads, base.model.num_query_groups)
     found = []
@@ -78,7 +81,8 @@ def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gp
                     continue
                 for recompute in RECOMPUTE_CHOICES:
                     try:
-                        recipe = load_recipe(path, [*overrides, *layout_overrides(tp, pp, cp, recompute)])
+                        layout = layout_overrides(tp, pp, cp, recompute)
+                        recipe = parse_recipe(apply_overrides(copy.deepcopy(tree), layout))
                         dp = recipe.check_layout(world, here=False)
                     except ValueError:
                         continue
