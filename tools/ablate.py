@@ -18,25 +18,31 @@ these). Every run is validated before the first starts. Settings:
   token_is   decoupled_token_is          seq_is_rs  decoupled_seq_is_rs
   dapo       the recipe's own algorithm.rollout_correction block
   <preset>   any name of megatron_rlcorr.config.PRESETS
+  --define NAME BASE FIELD=VALUE ...   your own: BASE's block with these fields changed, e.g.
+             --define dapo_wide dapo rollout_rs_threshold_lower=0.31 rollout_rs_threshold=1.28
 
-Outputs in OUT: ablation.md (the table), ablation.json (the summaries and every run's curves),
-ablation_<setting>.png (reward and KL per step, each seed thin, the seeds' mean thick) and
-ablation.png (the settings' mean reward and KL curves side by side). `--report-only` rebuilds
-them from the runs already in OUT; `--skip-done` keeps runs whose metrics are complete;
-`--reference DIR` adds another ablation's settings (its ablation.json, e.g. the same recipe at lag
-0) to the table and, dashed, to ablation.png.
+Outputs in OUT: ablation.md (the table; ablation_brief.md its main columns), ablation.json (the
+summaries and every run's curves), ablation_<setting>.png (reward and KL per step, each seed thin,
+the seeds' mean thick) and ablation.png (the settings' mean reward and KL curves side by side).
+`--report-only` rebuilds them from the runs already in OUT; `--skip-done` keeps runs whose metrics
+are complete; `--reference DIR` adds another ablation's settings (its ablation.json, e.g. the same
+recipe at lag 0) to the table and, dashed, to ablation.png.
 
-Conventions: "reward" is `reward_mean` (`--reward-key`), the round-0 samples' mean score. Final
-= the mean of the last 10 steps (`--window`); AUC = the mean over all steps; both are averaged over
+Conventions: "reward" is `reward_mean` (`--reward-key`), the round-0 samples' mean score. Final =
+the mean of the last 10 steps (`--window`); AUC = the mean over all steps; both are averaged over
 seeds (± the sample std over seeds). A grad-norm spike is a step whose grad norm exceeds 3x the
 median of the previous 20 steps (at least 5 of them); steps with grad norm 0 (nothing trained:
-every token rejected, or a batch of dynamic-sampling fillers only) neither count nor judge, and
-are counted apart as "no-update steps"; both counts are averaged over seeds. The mismatch
-columns average over the steps that had a training batch (batch/valid_response_tokens > 0) and
-over seeds: k3 KL(rollout || trainer), |log ppl diff|
-(per-sequence |mean token log-ratio|) and chi2_seq (E[w^2] - 1 of the untruncated sequence IS
-weights: their spread; effective sample size = 1 / (1 + chi2)); "RS masked" is the share of
-tokens rejection sampling removed.
+every token rejected, or a batch of dynamic-sampling fillers only) neither count nor judge, and are
+counted apart as "no-update steps"; both counts are averaged over seeds. A seed is "stuck" when no
+step updated the policy from some step to the end, for at least the final window (a GRPO run whose
+groups all score alike, e.g. all wrong, has no advantage left to learn from). The mismatch columns
+average over the steps that had a training batch (batch/valid_response_tokens > 0) and over seeds:
+k3 KL(rollout || trainer), |log ppl diff| (per-sequence |mean token log-ratio|) and chi2_seq
+(E[w^2] - 1 of the untruncated sequence IS weights: their spread; effective sample size = 1 / (1 +
+chi2)); "RS masked" is the share of tokens rejection sampling removed. With `trainer.dump_every=1`
+among the overrides, "rejected: right / wrong answers" splits the rejections of a setting with RS
+or a veto by the answer's reward (rejection_by_answer): under policy lag the split shows whether
+rejection removes the samples that carry the learning signal.
 """
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -72,6 +80,7 @@ KL, GRAD = "rollout_corr/k3_kl", "grad_norm"
 MISMATCH = (("k3 KL", KL), ("abs log ppl diff", "rollout_corr/log_ppl_abs_diff"),
             ("chi2_seq", "rollout_corr/chi2_seq"), ("RS masked", "rollout_corr/rollout_rs_masked_fraction"))
 SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 3.0, 20, 5
+NO_REJECTION = {"rejected_right": math.nan, "rejected_wrong": math.nan}
 
 
 @dataclass(frozen=True)
@@ -91,9 +100,9 @@ class Run:
 # ---- arguments and the plan of runs -------------------------------------------------------------
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The options, and the key=value overrides wherever they stand (after --settings or --seeds,
-    whose lists would otherwise swallow them)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The options, the --define groups, and the key=value overrides wherever they stand (after
+    --settings or --seeds, whose lists would otherwise swallow them)."""
+    argv, defines = _take_defines(list(sys.argv[1:] if argv is None else argv))
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", required=True, help="the recipe YAML every run starts from")
@@ -109,19 +118,67 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="no training: rebuild the report from OUT/runs")
     p.add_argument("--skip-done", action="store_true", help="keep runs whose metrics have every step")
     p.add_argument("--reference", default=None, help="another ablation's folder, shown beside this one")
+    p.add_argument("--define", metavar="NAME BASE [FIELD=VALUE ...]",
+                   help="a setting of your own: setting BASE with these algorithm.rollout_correction fields "
+                        "changed, run as NAME (repeatable; NAME joins --settings)")
     args = p.parse_args([a for a in argv if a not in overrides])
     args.overrides = overrides  # recipe overrides (section.key=value) for every run
+    args.defines = defines      # {NAME: (BASE, {field: value})}
+    args.settings = [*args.settings, *(name for name in defines if name not in args.settings)]
     return args
+
+
+def _usage_error(message: str) -> None:
+    print(f"ablate.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _take_defines(argv: list[str]) -> tuple[list[str], dict[str, tuple[str, dict[str, Any]]]]:
+    """argv without its `--define NAME BASE [FIELD=VALUE ...]` groups, and the groups (a group
+    ends at the next option)."""
+    import yaml
+
+    rest, defines, i = [], {}, 0
+    while i < len(argv):
+        if argv[i] != "--define":
+            rest.append(argv[i])
+            i += 1
+            continue
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):
+            j += 1
+        group = argv[i + 1:j]
+        if len(group) < 2 or any("=" in word for word in group[:2]):
+            _usage_error(f"--define needs NAME BASE [FIELD=VALUE ...], got {group}")
+        if group[0] in defines:
+            _usage_error(f"--define {group[0]} is given twice")
+        fields = {}
+        for word in group[2:]:
+            if "=" not in word:
+                _usage_error(f"--define {group[0]}: {word!r} is not FIELD=VALUE")
+            key, value = word.split("=", 1)
+            fields[key] = yaml.safe_load(value)
+        defines[group[0]] = (group[1], fields)
+        i = j
+    return rest, defines
 
 
 def check_args(args: argparse.Namespace) -> None:
     """ValueError naming the argument and the fix."""
     if not Path(args.recipe).is_file():
         raise ValueError(f"--recipe {args.recipe}: no such file (e.g. recipes/tiny_hf_cpu.yaml)")
-    unknown = [s for s in args.settings if s not in SETTINGS]
+    for name, (base, _) in args.defines.items():
+        if name in SETTINGS or not name.replace("_", "").isalnum():
+            raise ValueError(f"--define {name}: the name must be new (not one of {', '.join(SETTINGS)}) and made "
+                             "of letters, digits and '_' (it names files)")
+        if base not in SETTINGS:
+            raise ValueError(f"--define {name} {base}: unknown base setting{did_you_mean(base, SETTINGS)}; "
+                             f"available: {', '.join(SETTINGS)}")
+    known = (*SETTINGS, *args.defines)
+    unknown = [s for s in args.settings if s not in known]
     if unknown:
-        raise ValueError(f"--settings: unknown setting {unknown[0]!r}{did_you_mean(unknown[0], SETTINGS)}; "
-                         f"available: {', '.join(SETTINGS)}")
+        raise ValueError(f"--settings: unknown setting {unknown[0]!r}{did_you_mean(unknown[0], known)}; "
+                         f"available: {', '.join(known)} (or --define one)")
     for name, values in (("--settings", args.settings), ("--seeds", args.seeds)):
         if len(set(values)) != len(values):
             raise ValueError(f"{name} lists a value twice: {values}")
@@ -139,8 +196,16 @@ def check_args(args: argparse.Namespace) -> None:
                          "--settings, --lag, --seeds, --steps or --out instead")
 
 
-def correction_block(setting: str, recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
+def correction_block(setting: str, recipe: str | Path, overrides: Sequence[str],
+                     defines: dict[str, tuple[str, dict[str, Any]]] | None = None) -> dict[str, Any]:
     """The algorithm.rollout_correction block a setting trains with."""
+    if defines and setting in defines:
+        base, fields = defines[setting]
+        block = {**correction_block(base, recipe, overrides), **fields}
+        try:
+            return RolloutCorrectionConfig.from_dict(block).to_dict()
+        except ValueError as err:
+            raise ValueError(f"--define {setting}: {err}") from None
     if setting == "dapo":
         from megatron_rlcorr.recipe.tree import read_tree
 
@@ -158,7 +223,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
 
     out, runs = Path(args.out), []
     for setting in args.settings:
-        block = json.dumps(correction_block(setting, args.recipe, args.overrides))
+        block = json.dumps(correction_block(setting, args.recipe, args.overrides, args.defines))
         for seed in args.seeds:
             run_out = out / "runs" / f"{setting}_s{seed}"
             overrides = (*args.overrides, f"algorithm.rollout_correction={block}", f"rollout.policy_lag={args.lag}",
@@ -240,9 +305,54 @@ def summarize_run(records: list[dict], reward_key: str, window: int) -> dict[str
     reward, grads = series(records, reward_key), series(records, GRAD)
     out = {"steps": len(records), "final_reward": _finite_mean(reward[-window:]), "reward_auc": _finite_mean(reward),
            "final_acc": _finite_mean(series(records, "reward/acc_mean")[-window:]),
-           "grad_spikes": grad_spikes(grads), "no_update_steps": sum(1 for g in grads if g == 0)}
+           "grad_spikes": grad_spikes(grads), "no_update_steps": sum(1 for g in grads if g == 0),
+           "stuck_from": stuck_from(grads, window)}
     out.update({key: _finite_mean(trained_series(records, key)) for _, key in MISMATCH})
     return out
+
+
+def stuck_from(grad_norms: Sequence[float], window: int) -> float:
+    """The step from which no step updated the policy to the end of the run (grad norm 0: a
+    GRPO run whose groups all score alike, or whose tokens are all rejected, cannot leave that
+    state), when that lasts at least `window` steps; NaN otherwise."""
+    tail = 0
+    while tail < len(grad_norms) and grad_norms[len(grad_norms) - 1 - tail] == 0:
+        tail += 1
+    return float(len(grad_norms) - tail + 1) if tail >= window else math.nan
+
+
+def rejection_by_answer(dumps: Path, block: dict[str, Any]) -> dict[str, float]:
+    """The share of right answers (reward > 0) and of wrong ones that the block's RS and veto
+    reject (any token of the sequence), over every step's dump (trainer.dump_every=1): whether
+    rejection is blind to the answer or takes a side. Each step's dump is corrected on its own,
+    as the trainer corrects each step's batch; {} when the block rejects nothing or no dump
+    holds a sequence."""
+    from megatron_rlcorr.analysis.inputs import load_input
+    from megatron_rlcorr.analysis.presets import evaluate
+
+    config = RolloutCorrectionConfig.from_dict(block)
+    if config.rollout_rs is None and config.rollout_token_veto_threshold is None:
+        return {}
+    if not dumps.is_dir() or not any(f.stat().st_size for f in dumps.glob("step_*.jsonl")):
+        return {}  # no dumps, or only steps without a training batch
+    inp = load_input(dumps)
+    rewards = torch.tensor([json.loads(line)["reward"] for f in inp.files
+                            for line in f.read_text().splitlines() if line.strip()])
+    rejected = torch.zeros(inp.batch.num_sequences, dtype=torch.bool)
+    valid = torch.zeros(inp.batch.num_sequences, dtype=torch.bool)
+    for step in inp.steps:
+        rows = inp.step_of_sequence == step
+        batch = inp.batch.select(rows)
+        seq, zeros = batch.sequence_of_token, torch.zeros(batch.num_sequences, dtype=torch.float64)
+        n_valid = zeros.index_add(0, seq, batch.mask.double())
+        n_kept = zeros.index_add(0, seq, evaluate(batch, config).kept.double())
+        rejected[rows], valid[rows] = n_kept < n_valid, n_valid > 0
+    right = rewards > 0
+    return {"rejected_right": _share(rejected[valid & right]), "rejected_wrong": _share(rejected[valid & ~right])}
+
+
+def _share(flags: torch.Tensor) -> float:
+    return flags.double().mean().item() if flags.numel() else math.nan
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -254,7 +364,8 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 def summarize_setting(per_seed: dict[int, dict[str, float]]) -> dict[str, Any]:
     keys = next(iter(per_seed.values())).keys()
-    out: dict[str, Any] = {"seeds": sorted(per_seed)}
+    out: dict[str, Any] = {"seeds": sorted(per_seed),
+                           "stuck_steps": [per_seed[seed]["stuck_from"] for seed in sorted(per_seed)]}
     for key in keys:
         mean, std = _mean_std([s[key] for s in per_seed.values()])
         out[key], out[key + "_std"] = mean, std
@@ -284,17 +395,22 @@ def table(summaries: dict[str, dict[str, Any]], blocks: dict[str, dict], meta: d
              "over all steps; mean ± std over seeds. Grad-norm spikes: steps above "
              f"{SPIKE_FACTOR:g}x the median of the previous {SPIKE_WINDOW} updating steps, mean over seeds; "
              "no-update steps: grad norm 0 (all tokens rejected, or only dynamic-sampling fillers), mean over "
-             "seeds. Mismatch columns: mean over the steps with a training batch and over seeds."), "",
-             "| setting | seeds | final reward | reward AUC | final acc | grad-norm spikes | no-update steps | "
-             + " | ".join(name for name, _ in MISMATCH) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(MISMATCH)]
+             "seeds; stuck seeds: runs whose last steps, at least the final window, all had grad norm 0 (a GRPO run "
+             "whose groups all score alike cannot leave that state), with the step it began. Mismatch columns: mean "
+             "over the steps with a training batch and over seeds. Rejected: "
+             "the share of right answers (reward > 0) and of wrong ones that the setting's RS and veto reject, "
+             "recomputed from every step's dump (runs with trainer.dump_every=1), mean over seeds."), "",
+             "| setting | seeds | final reward | reward AUC | final acc | stuck seeds (from step) | grad-norm spikes | "
+             "no-update steps | "
+             + " | ".join(name for name, _ in MISMATCH) + " | rejected: right / wrong answers |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * (len(MISMATCH) + 1)]
     rows = {**summaries, **{f"{label}, reference": ref["summary"] for label, ref in (reference or {}).items()}}
     for setting, s in rows.items():
         cells = [setting, str(len(s["seeds"])), f"{_fmt(s['final_reward'])} ± {_fmt(s['final_reward_std'])}",
                  f"{_fmt(s['reward_auc'])} ± {_fmt(s['reward_auc_std'])}",
-                 f"{_fmt(s['final_acc'])} ± {_fmt(s['final_acc_std'])}", f"{s['grad_spikes']:.1f}",
+                 f"{_fmt(s['final_acc'])} ± {_fmt(s['final_acc_std'])}", _stuck_cell(s), f"{s['grad_spikes']:.1f}",
                  f"{s.get('no_update_steps', math.nan):.1f}",
-                 *(_fmt(s[key]) for _, key in MISMATCH)]
+                 *(_fmt(s[key]) for _, key in MISMATCH), _rejection_cell(s)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Correction blocks (algorithm.rollout_correction, fields that differ from the default):", ""]
     default = RolloutCorrectionConfig().to_dict()
@@ -306,6 +422,33 @@ def table(summaries: dict[str, dict[str, Any]], blocks: dict[str, dict], meta: d
     if meta.get("wall_s"):
         lines += [f"Wall time of the training runs: {meta['wall_s'] / 60:.1f} min."]
     return "\n".join(lines) + "\n"
+
+
+def brief_table(summaries: dict[str, dict[str, Any]], reference: dict[str, dict[str, Any]] | None = None) -> str:
+    """The table's main columns (ablation_brief.md, what the README shows)."""
+    lines = ["| setting | final reward | right answers (last steps) | stuck seeds (from step) | RS masked | k3 KL |",
+             "|---|---|---|---|---|---|"]
+    rows = {**summaries, **{f"{label}, reference": ref["summary"] for label, ref in (reference or {}).items()}}
+    for setting, s in rows.items():
+        lines.append(f"| {setting} | {_fmt(s['final_reward'])} ± {_fmt(s['final_reward_std'])} | "
+                     f"{_fmt(s['final_acc'])} ± {_fmt(s['final_acc_std'])} | {_stuck_cell(s)} | "
+                     f"{_fmt(s['rollout_corr/rollout_rs_masked_fraction'])} | {_fmt(s[KL])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _stuck_cell(s: dict[str, Any]) -> str:
+    steps = s.get("stuck_steps")
+    if steps is None:
+        return "n/a"
+    stuck = sorted(int(x) for x in steps if x is not None and math.isfinite(x))
+    return f"{len(stuck)}/{len(steps)}" + (f" ({', '.join(map(str, stuck))})" if stuck else "")
+
+
+def _rejection_cell(s: dict[str, Any]) -> str:
+    right, wrong = s.get("rejected_right", math.nan), s.get("rejected_wrong", math.nan)
+    if not (math.isfinite(right) and math.isfinite(wrong)):
+        return "n/a"
+    return f"{100 * right:.0f}% / {100 * wrong:.0f}%"
 
 
 def load_reference(folder: str | Path) -> dict[str, dict[str, Any]]:
@@ -386,10 +529,12 @@ def plot_combined(curves: dict[str, dict[int, dict[str, list[float]]]], meta: di
 
 
 def write_report(out: Path, records: dict[str, dict[int, list[dict]]], blocks: dict[str, dict],
-                 meta: dict[str, Any], reference: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                 meta: dict[str, Any], reference: dict[str, dict[str, Any]] | None = None,
+                 rejections: dict[str, dict[int, dict[str, float]]] | None = None) -> dict[str, Any]:
     """ablation.md, ablation.json, ablation_<setting>.png and ablation.png from every run's
-    metrics records ({setting: {seed: records}}), with `reference` (load_reference) beside them
-    in the table and the combined figure. Returns what ablation.json holds."""
+    metrics records ({setting: {seed: records}}) and rejection_by_answer results (same keys),
+    with `reference` (load_reference) beside them in the table and the combined figure. Returns
+    what ablation.json holds."""
     out.mkdir(parents=True, exist_ok=True)
     reward_key, window = meta.get("reward_key", "reward_mean"), int(meta.get("window", 10))
     empty = [f"{s}_s{seed}" for s, per_seed in records.items() for seed, r in per_seed.items() if not r]
@@ -397,14 +542,17 @@ def write_report(out: Path, records: dict[str, dict[int, list[dict]]], blocks: d
         raise ValueError(f"runs without metrics: {', '.join(empty)}")
     summaries, curves = {}, {}
     for setting, per_seed in records.items():
-        summaries[setting] = summarize_setting({seed: summarize_run(r, reward_key, window)
-                                                for seed, r in per_seed.items()})
+        summaries[setting] = summarize_setting({
+            seed: {**summarize_run(r, reward_key, window), **NO_REJECTION,
+                   **(rejections or {}).get(setting, {}).get(seed, {})}
+            for seed, r in per_seed.items()})
         curves[setting] = {seed: {"reward": series(r, reward_key), "acc": series(r, "reward/acc_mean"),
                                   "kl": trained_series(r, KL), "grad_norm": series(r, GRAD)}
                            for seed, r in per_seed.items()}
         plot_setting(setting, curves[setting], reward_key, out / f"ablation_{setting}.png")
     plot_combined(curves, meta, out / "ablation.png", reference)
     (out / "ablation.md").write_text(table(summaries, blocks, meta, reference))
+    (out / "ablation_brief.md").write_text(brief_table(summaries, reference))
     result = {"meta": meta, "blocks": blocks, "summary": summaries,
               "curves": {s: {str(seed): c for seed, c in per.items()} for s, per in curves.items()}}
     (out / "ablation.json").write_text(json.dumps(_json_safe(result), indent=1) + "\n")
@@ -429,18 +577,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_args(args)
         runs = plan_runs(args)
-        previous = _previous_meta(Path(args.out)) if args.report_only else {}
+        previous = _previous_meta(Path(args.out)) if args.report_only or args.skip_done else {}
         wall = previous.get("wall_s", 0.0) if args.report_only else train_all(runs, args)
+        if args.skip_done and not args.report_only:  # the kept runs' time (the earlier report's) + this call's
+            wall += previous.get("wall_s", 0.0)
+        command = ((previous.get("command") if args.report_only else None)
+                   or "python tools/ablate.py " + " ".join(sys.argv[1:] if argv is None else argv))
         records = {s: {r.seed: read_metrics(r.metrics) if r.metrics.is_file() else []
                        for r in runs if r.setting == s} for s in args.settings}
-        blocks = {s: correction_block(s, args.recipe, args.overrides) for s in args.settings}
+        blocks = {s: correction_block(s, args.recipe, args.overrides, args.defines) for s in args.settings}
+        rejections = {s: {r.seed: rejection_by_answer(r.metrics.parent / "dumps", blocks[s])
+                          for r in runs if r.setting == s} for s in args.settings}
         meta = {"recipe": str(args.recipe), "lag": args.lag, "seeds": list(args.seeds), "nproc": args.nproc,
                 "steps": args.steps or max((len(r) for per in records.values() for r in per.values()), default=0),
                 "reward_key": args.reward_key, "window": args.window, "overrides": list(args.overrides),
-                "command": previous.get("command") or "python tools/ablate.py " + " ".join(
-                    sys.argv[1:] if argv is None else argv), "wall_s": wall, "reference": args.reference}
+                "command": command, "wall_s": wall, "reference": args.reference}
         reference = load_reference(args.reference) if args.reference else None
-        write_report(Path(args.out), records, blocks, meta, reference)
+        write_report(Path(args.out), records, blocks, meta, reference, rejections)
     except ValueError as err:
         print(f"ablate.py: error: {err}", file=sys.stderr)
         return 2

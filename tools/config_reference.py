@@ -18,7 +18,7 @@ imported text.
 
 A field without a comment is listed as "(no description)"; `undocumented()` names them, and
 `--check` prints them (a warning: it exits 1 only for a stale page). tests/unit/test_docs.py
-keeps the page in sync and the list of undocumented fields from growing.
+keeps the page in sync and every recipe key described.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ data the project already writes, so the analyzer takes that data as it is:
 
 Conventions:
 - All dump files of a directory are analysed as one batch (files in step order, records in file
-  order); `step_of_sequence` keeps each sequence's step for the per-step trend.
+  order); `step_of_sequence` keeps each sequence's step for the per-step trend. An empty dump (a
+  step without a training batch: every group filtered out) is skipped.
 - `old` is the trainer's log-prob (pi_old, the `log_probs` field), `rollout` the engine's.
 - A token whose log-prob, in either list, is not finite or is positive is left out of every
   statistic (masked), as the trainer masks it before the correction (SPEC section 6); their
@@ -111,6 +112,10 @@ def load_input(path: str | Path) -> AnalysisInput:
 def _from_dumps(path: Path, kind: str, dumps: list[tuple[int, Path]], metrics: list[dict[str, Any]] | None,
                 recipe: Path | None) -> AnalysisInput:
     records, steps = [], []
+    dumps = [(step, file) for step, file in dumps if file.read_text().strip()]  # a step that trained nothing
+    if not dumps:
+        raise ValueError(f"{path}: every step_<N>.jsonl dump is empty (those steps had no training batch); "
+                         f"nothing to analyze")
     for step, file in dumps:
         file_records = _scored_records(file)
         records += file_records

@@ -46,7 +46,7 @@ class OffPolicyMetrics:
         totals.add_min("offpolicy/diff_min", ctx.min_rows(diff))
 
     def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
-        t, tokens, seqs = ctx.totals, ctx.num_tokens, ctx.num_rows
+        t, seqs = ctx.totals, ctx.num_rows
         per_seq = {name: ctx.per_row(t.sum(f"offpolicy/{name}"))
                    for name in ("training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "ppl_ratio")}
         return {

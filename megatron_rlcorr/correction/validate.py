@@ -24,7 +24,7 @@ def check_layout(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, res
     shapes = {"old_log_prob": old_log_prob.shape, "rollout_log_prob": rollout_log_prob.shape,
               "response_mask": response_mask.shape}
     if len(set(shapes.values())) != 1:
-        raise ValueError(f"old_log_prob, rollout_log_prob and response_mask must have the same shape, got "
+        raise ValueError("old_log_prob, rollout_log_prob and response_mask must have the same shape, got "
                          + ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items()))
     devices = {old_log_prob.device, rollout_log_prob.device, response_mask.device}
     if len(devices) != 1:

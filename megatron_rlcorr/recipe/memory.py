@@ -27,7 +27,8 @@ Conventions: bytes everywhere (GiB = 2**30 only in `MemoryEstimate.gib`); a "ran
   10 bytes per token per vocabulary entry of its TP shard.
 - rollout: vLLM's `gpu_memory_utilization` share while it generates, nothing while it sleeps
   (levels 1 and 2) or the same share when it stays resident (level 0); the embedded engine keeps
-  a full copy of the model in its weight dtype all the time.
+  a full copy of the model in its weight dtype all the time, K + 1 copies under
+  rollout.policy_lag K.
 - total: the states plus the larger of the two phases: training (activations + logits + the
   engine's resident memory) and generation (the engine's share; the trainer's activations are
   freed and its cache emptied before the engine wakes). A layout fits when the total leaves
@@ -192,5 +193,6 @@ def _rollout_bytes(recipe: Recipe, total_params: int, gpu_memory_bytes: float) -
     if rollout.engine == "vllm":
         share = rollout.gpu_memory_utilization * gpu_memory_bytes
         return share, (share if rollout.sleep_level == 0 else 0.0)
-    copy = total_params * rollout.weight_dtype.itemsize
-    return copy, copy
+    # rollout.policy_lag K keeps the K + 1 latest weight sets (rollout/embedded.py).
+    copies = total_params * rollout.weight_dtype.itemsize * (rollout.policy_lag + 1)
+    return copies, copies

@@ -55,18 +55,18 @@ class RolloutConfig:
     correction sees off-policy mismatch on top of the numerical one. 0: the latest weights.
     """
 
-    engine: EngineName = "embedded"
-    precision: Precision = "bf16"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 16
-    n: int = 8
-    logprobs: LogprobsMode = "tempered"
+    engine: EngineName = "embedded"   # embedded (in-process, CPU or GPU, emulates the precision) | vllm (GPU)
+    precision: Precision = "bf16"     # the engine's weights and math: fp32 | bf16 | fp8 (the mismatch source)
+    temperature: float = 1.0          # sampling temperature (0 = greedy); the trainer divides its logits by it too
+    top_p: float = 1.0                # nucleus sampling (1 = off); with vLLM, < 1 needs logprobs: processed
+    max_new_tokens: int = 16          # response length limit; longer responses end with finish_reason "length"
+    n: int = 8                        # samples per prompt: the group of GRPO/RLOO advantages
+    logprobs: LogprobsMode = "tempered"  # tempered: before top-p, as the trainer computes it | processed: after
     weight_sync_bucket_mb: int = 512  # the weight stream to the engine moves this much at a time
     tensor_parallel_size: int = 1     # ranks per rollout group (one engine each)
-    gpu_memory_utilization: float = 0.6
-    sleep_level: int = 2
-    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.6  # vLLM: share of GPU memory for its weights and KV cache
+    sleep_level: int = 2              # vLLM during training: 0 stay resident, 1 weights to host, 2 drop them
+    max_model_len: int | None = None  # vLLM: context length (null: the prompt limit + max_new_tokens)
     policy_lag: int = 0               # steps the embedded engine's weights lag the trainer's
 
     def __post_init__(self) -> None:

@@ -173,6 +173,8 @@ class CheckpointWriter:
                 stale.unlink()
         dist.barrier()
         random_state = rng_state()  # torch's distributed checkpoint writer draws random numbers
+        if optimizer is not None:
+            start_adam_state(optimizer)
         state = _full_state(model_chunks, optimizer, scheduler, groups,
                             {**common, "optimizer_kind": _optimizer_kind(optimizer) if optimizer else None},
                             is_loading=False, with_rng=True)
@@ -274,6 +276,40 @@ def _allocate_optimizer_state(optimizer) -> None:
         if (inner.__class__.__name__ == "DistributedOptimizer" and isinstance(inner.optimizer, torch.optim.Adam)
                 and not inner.optimizer.state):
             inner._init_optimizer_states_with_dummy_values()
+
+
+def start_adam_state(optimizer) -> None:
+    """Give every parameter without Adam state the state torch's Adam starts from (step 0, zero
+    moments), on the CPU path (torch's Adam under Megatron's optimizer).
+
+    Why: a run whose every update so far was skipped (a zero gradient: every token rejected,
+    training/optimizer.step_optimizer) has no Adam state, and Megatron's distributed optimizer
+    cannot save an empty torch-Adam state (it reads one `step` from the states). From step 0 and
+    zero moments torch's Adam computes exactly what it computes from no state, so the saved
+    checkpoint resumes as the run would have continued. TE's and apex's Adam, on GPU, describe
+    an empty state by themselves.
+    """
+    for inner in _inner_optimizers(optimizer):
+        adam = getattr(inner, "optimizer", None)
+        if not isinstance(adam, torch.optim.Adam):  # torch's AdamW subclasses it
+            continue
+        for group in adam.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for param in group["params"]:
+                if adam.state[param]:
+                    continue
+                adam.state[param] = {
+                    "step": torch.zeros((), dtype=_adam_step_dtype(), device=param.device if on_device else None),
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    **({"max_exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+                       if group.get("amsgrad") else {}),
+                }
+
+
+def _adam_step_dtype() -> torch.dtype:
+    # torch's Adam keeps `step` in float32 (float64 when that is the default dtype).
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 # ---- per-rank checkpoints (the format before dist_checkpointing) ---------------------------------

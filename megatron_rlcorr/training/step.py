@@ -21,7 +21,8 @@ Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
    tokens computed / tokens the sequences need - 1.
 4. DDP reduces the gradients (finalize_model_grads: an all-reduce, or with the distributed
    optimizer a reduce-scatter, possibly overlapped with the backward), Megatron's optimizer clips
-   and steps.
+   and steps; a gradient that is zero everywhere (every token rejected) skips the step
+   (optimizer.step_optimizer).
    The learning-rate scheduler is the caller's: it advances once per RL step, so every update of
    a step uses that step's learning rate (verl's schedule). Metrics, kept as (sum, count)
    tensors, are reduced once over CP x DP and broadcast from the last pipeline stage to the
@@ -62,7 +63,7 @@ from .logprobs import token_logprobs_and_entropy
 from .kl import KLLossSettings
 from .losses import LossConfig, global_loss_normalizers, policy_loss, reduce_metric_partials
 from .microbatches import MicroBatchPlan, PackingRules, plan_packed, plan_padded, sequence_lengths, sequence_multiple
-from .optimizer import current_lr, loss_scale_for_schedule, zero_grads
+from .optimizer import current_lr, loss_scale_for_schedule, step_optimizer, zero_grads
 
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
@@ -418,9 +419,7 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
     zero_grads(model_chunks, optimizer)
     _run_schedule(model_chunks, local, loss_fn, groups=groups, forward_only=False)
     lr = current_lr(optimizer)
-    update_successful, grad_norm, _ = optimizer.step()
-    if grad_norm is None:  # clip_grad == 0: Megatron skips the norm
-        grad_norm = optimizer.get_grad_norm()
+    update_successful, grad_norm = step_optimizer(optimizer)
 
     metrics = {}
     if is_last and bypass_ppo:

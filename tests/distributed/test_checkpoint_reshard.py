@@ -20,7 +20,7 @@ pytestmark = [
 
 CFG = dict(vocab_size=100, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,
            ffn_hidden_size=48, tie_embeddings=True, add_qkv_bias=True, max_position_embeddings=64)
-SCENARIOS = ["dec_ppo_tok", "dec_pg_stm", "dec_ppo_tok"]
+SCENARIOS = ["dec_ppo_tok", "dec_pg_stm", "dec_pg_stm"]
 LAYOUTS = {"dp2": (1, 1, 1, None, 2), "tp2": (2, 1, 1, None, 2), "pp2": (1, 2, 1, None, 2),
            "pp2vpp2": (1, 2, 1, 2, 2), "tp2dp2": (2, 1, 1, None, 4), "cp2": (1, 1, 2, None, 2)}
 
@@ -63,8 +63,9 @@ def _worker(rank, world, layout, directory, mode, batches, optim=None):
         cfg = _step_config(SCENARIOS[step], 2)
         batch = StepBatch(**{k: v[rows] for k, v in batches[step].items()})
         old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=2, temperature=cfg.temperature)
-        train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
         scheduler.step(1)
+        return result.update_successful
 
     def weights():
         sync_params(chunks)
@@ -99,7 +100,8 @@ def _worker(rank, world, layout, directory, mode, batches, optim=None):
         out["scheduler_steps"] = scheduler.num_steps
     out["adam_steps"] = sorted({int(state["step"]) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
                                 for state in opt.optimizer.state.values() if "step" in state})
-    train(2)
+    # Step 3 must train (a step that rejects every token changes nothing and would compare nothing).
+    out["step3_updated"] = train(2)
     out["after"] = weights()
     dist.barrier()
     return out
@@ -135,6 +137,7 @@ def test_resume_on_another_layout_continues_the_run(saved, layout):
         assert _max_diff(result["loaded"], ref["saved"]) == 0.0, (layout, rank)
         assert result["scheduler_steps"] == 2 and result["adam_steps"] == [2], (layout, rank)
         assert result["common"]["data_position"] == 8
+        assert result["step3_updated"] and ref["step3_updated"], (layout, rank)
         diff = _max_diff(result["after"], ref["after"])
         assert diff < 2e-6, (layout, rank, diff)
         if layout == "dp2":  # the layout that wrote it: its RNG continues too

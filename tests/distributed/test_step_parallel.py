@@ -259,7 +259,8 @@ def _assert_matches(result, ref, where):
         torch.testing.assert_close(result["metrics"]["actor/entropy_loss"], ref["entropy_loss"], rtol=1e-5,
                                    atol=1e-7, msg=lambda m, w=f"{where} entropy loss": f"{w}: {m}")
     assert "actor/entropy" in result["metrics"]  # reported whatever entropy_coeff is
-    assert result["update_successful"]
+    # A zero gradient (every token rejected) is no update: training/optimizer.step_optimizer.
+    assert result["update_successful"] == (float(ref["grad_norm"]) > 0), where
     for name in ref["grads"]:
         torch.testing.assert_close(result["grads"][name], ref["grads"][name], rtol=1e-4, atol=2e-7,
                                    msg=lambda m, w=f"{where} grad {name}": f"{w}: {m}")
@@ -458,6 +459,61 @@ def _assert_all_rejected(results, weights):
         assert all(float(g.abs().max()) == 0.0 for g in result["grads"].values())
         for name, value in weights.items():
             torch.testing.assert_close(result["after"][name], value, rtol=0, atol=0)
+
+
+# ---- a zero gradient changes nothing --------------------------------------------------------------
+
+def _zero_gradient_worker(rank, world, tp, pp, cp, batches):
+    """A real step (dec_ppo_tok), then a step whose every token is rejected (all_rejected): the
+    weights after each, and, as the control, the weights after Megatron's own optimizer.step()
+    on the same zero gradient."""
+    hide_gpus()
+    from megatron_rlcorr.model.config import ModelConfig
+    from megatron_rlcorr.model.weights import export_full_weights
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups
+    from megatron_rlcorr.training.optimizer import OptimSettings, build_model_and_optimizer, sync_params, zero_grads
+    from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs, train_minibatch
+
+    enable_cpu_megatron()
+    groups = build_parallel_groups(tp, pp, cp)
+    rows = slice(groups.dp_rank * BATCH // groups.dp_size, (groups.dp_rank + 1) * BATCH // groups.dp_size)
+    chunks, optimizer, _ = build_model_and_optimizer(ModelConfig(**CFG), OptimSettings(**OPTIM), groups, seed=SEED,
+                                                     total_steps=4)
+    out = {}
+    for name in ("dec_ppo_tok", "all_rejected"):
+        batch = StepBatch(**{k: v[rows] for k, v in batches[name].items()})
+        cfg = _step_config(name, 2)
+        old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=2, temperature=cfg.temperature)
+        result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        sync_params(chunks)
+        out[name] = dict(updated=result.update_successful, grad_norm=float(result.grad_norm),
+                         after=export_full_weights(chunks, groups))
+    zero_grads(chunks, optimizer)
+    optimizer.step()  # what a plain Megatron step does with the same zero gradient
+    sync_params(chunks)
+    out["megatron_step"] = export_full_weights(chunks, groups)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["single", "pp2", "dp2"])
+def test_a_step_with_a_zero_gradient_changes_nothing(layout, references):
+    """Adam moves weights on a zero gradient (its first moment); the step skips such an update on
+    every rank, and the real step before it matches the single-process reference."""
+    tp, pp, cp, world = {"single": (1, 1, 1, 1), "pp2": (1, 2, 1, 2), "dp2": (1, 1, 1, 2)}[layout]
+    results = run_distributed(_zero_gradient_worker, world, tp, pp, cp, references["batches"])
+    ref_after = references["refs"]["dec_ppo_tok"]["after"]
+    for rank, r in enumerate(results):
+        where = f"{layout} rank {rank}"
+        assert r["dec_ppo_tok"]["updated"] and r["dec_ppo_tok"]["grad_norm"] > 0, where
+        for name, value in ref_after.items():
+            torch.testing.assert_close(r["dec_ppo_tok"]["after"][name], value, rtol=0, atol=1e-4,
+                                       msg=lambda m, w=f"{where} {name}": f"{w}: {m}")
+        assert not r["all_rejected"]["updated"] and r["all_rejected"]["grad_norm"] == 0.0, where
+        for name, value in r["dec_ppo_tok"]["after"].items():
+            assert torch.equal(r["all_rejected"]["after"][name], value), f"{where} {name} moved on a zero gradient"
+        moved = max(float((r["megatron_step"][n] - v).abs().max()) for n, v in r["dec_ppo_tok"]["after"].items())
+        assert moved > 1e-4, f"{where}: the control (Megatron's step on a zero gradient) should move the weights"
 
 
 # ---- the decoupled correction once per RL step -------------------------------------------------

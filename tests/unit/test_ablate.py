@@ -50,6 +50,16 @@ def test_grad_spikes_against_the_running_median():
     assert ablate.grad_spikes([1.0] * 5 + [0.0] * 20 + [2.0]) == 0  # nor do steps that did not update
 
 
+def test_stuck_from_needs_a_final_window_without_updates():
+    assert ablate.stuck_from([1.0, 2.0, 0.0, 0.0, 0.0], window=3) == 3.0   # steps 3, 4, 5 did not update
+    assert math.isnan(ablate.stuck_from([1.0, 2.0, 0.0, 0.0, 0.0], window=4))
+    assert math.isnan(ablate.stuck_from([0.0, 0.0, 0.0, 1.0], window=2))   # it updated again at the end
+    assert ablate.stuck_from([0.0, 0.0], window=2) == 1.0
+    assert ablate._stuck_cell({"stuck_steps": [7.0, math.nan, 3.0]}) == "2/3 (3, 7)"
+    assert ablate._stuck_cell({"stuck_steps": [None, None]}) == "0/2"
+    assert ablate._stuck_cell({}) == "n/a"
+
+
 def test_summarize_run_windows_and_means():
     records = synthetic(30, seed=0, slope=0.01, spike_at=20)
     s = ablate.summarize_run(records, "reward_mean", window=10)
@@ -76,7 +86,8 @@ def test_write_report_from_synthetic_metrics(tmp_path):
     result = ablate.write_report(tmp_path, records, blocks, meta)
 
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["ablation.json", "ablation.md", "ablation.png", "ablation_none.png", "ablation_token_is.png"]
+    assert names == ["ablation.json", "ablation.md", "ablation.png", "ablation_brief.md", "ablation_none.png",
+                     "ablation_token_is.png"]
     for png in tmp_path.glob("*.png"):
         data = png.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < len(data) < 150_000, (png.name, len(data))
@@ -86,6 +97,9 @@ def test_write_report_from_synthetic_metrics(tmp_path):
     none_row = next(line for line in md.splitlines() if line.startswith("| none |"))
     assert "| 2 |" in none_row and "| 0.5 | 0.0 |" in none_row  # one spike in one of two seeds; no dead step
     assert '`token_is`: `{"rollout_is": "token"}`' in md and "`none`: `{} (metrics only)`" in md
+    brief = (tmp_path / "ablation_brief.md").read_text().splitlines()
+    assert brief[0].startswith("| setting | final reward |") and len(brief) == 4
+    assert brief[2].startswith("| none | ") and "| 0/2 |" in brief[2]   # no seed stuck
 
     saved = json.loads((tmp_path / "ablation.json").read_text())  # strict JSON (no NaN)
     assert saved["summary"]["token_is"]["seeds"] == [1, 2]
@@ -147,6 +161,58 @@ def test_overrides_may_follow_the_lists():
     assert args.overrides == ["optim.lr=2e-3", "rollout.n=4"]
 
 
+def test_define_a_setting_of_your_own():
+    args = _args("--settings", "none", "--define", "dapo_wide", "dapo", "rollout_rs_threshold_lower=0.3",
+                 "rollout_rs_threshold=1.3", "--seeds", "2", "rollout.n=4")
+    assert args.settings == ["none", "dapo_wide"] and args.seeds == [2] and args.overrides == ["rollout.n=4"]
+    ablate.check_args(args)
+    block = ablate.correction_block("dapo_wide", TINY, [], args.defines)
+    assert block["rollout_rs"] == "geometric" and block["rollout_is_batch_normalize"] is True   # from dapo
+    assert block["rollout_rs_threshold_lower"] == 0.3 and block["rollout_rs_threshold"] == 1.3
+    bad = _args("--define", "dapo_typo", "dapo", "rollout_rs_treshold=2")
+    with pytest.raises(ValueError, match="--define dapo_typo: .*rollout_rs_treshold"):
+        ablate.correction_block("dapo_typo", TINY, [], bad.defines)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--define", "dapo", "none"], "the name must be new"),
+    (["--define", "mine", "dapoo"], "unknown base setting \\(did you mean \"dapo\"\\?\\)"),
+])
+def test_define_errors(extra, message):
+    with pytest.raises(ValueError, match=message):
+        ablate.check_args(_args(*extra))
+
+
+def test_define_needs_a_name_and_a_base(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _args("--define", "mine", "--seeds", "1")
+    assert exit_.value.code == 2 and "--define needs NAME BASE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args("--define", "mine", "dapo", "--define", "mine", "none")
+    assert "--define mine is given twice" in capsys.readouterr().err
+
+
+def _dump(path: Path, rows: list[tuple[float, list[float]]]) -> None:
+    """rows of (reward, per-token log-ratio trainer - engine)."""
+    records = [{"step": 1, "prompt_ids": [1, 2], "response_ids": [3] * len(lr), "reward": reward,
+                "rollout_log_probs": [-1.0] * len(lr), "log_probs": [-1.0 + x for x in lr]} for reward, lr in rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_rejection_by_answer_splits_what_rs_rejects_by_reward(tmp_path):
+    # geometric RS [0.9, 1.1]: |mean log-ratio| > ~0.1 is rejected. Right answers: 2 of 4 rejected
+    # (one too likely now, one too unlikely); wrong answers: 1 of 4 rejected, in step 2's file.
+    _dump(tmp_path / "step_1.jsonl", [(1.0, [0.5, 0.5]), (1.0, [0.0, 0.01]), (-1.0, [0.0, 0.0]),
+                                      (-1.0, [0.02, -0.02])])
+    _dump(tmp_path / "step_2.jsonl", [(1.0, [-0.4, -0.4]), (1.0, [0.0]), (-1.0, [0.3, 0.3]), (-1.0, [0.0])])
+    (tmp_path / "step_3.jsonl").write_text("")   # a step without a training batch
+    block = RolloutCorrectionConfig(rollout_rs="geometric", rollout_rs_threshold=1.1,
+                                    rollout_rs_threshold_lower=0.9).to_dict()
+    assert ablate.rejection_by_answer(tmp_path, block) == {"rejected_right": 0.5, "rejected_wrong": 0.25}
+    assert ablate.rejection_by_answer(tmp_path, RolloutCorrectionConfig.disabled().to_dict()) == {}
+    assert ablate.rejection_by_answer(tmp_path / "none", block) == {}
+
+
 def test_correction_blocks():
     recipe_block = {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": True,
                     "rollout_rs": "geometric", "rollout_rs_threshold": 1.01, "rollout_rs_threshold_lower": 0.99,
@@ -185,10 +251,14 @@ def test_plan_runs_overrides_and_paths(tmp_path):
 @pytest.mark.distributed
 def test_end_to_end_two_settings_one_seed(tmp_path):
     argv = ["--recipe", str(TINY), "--out", str(tmp_path), "--lag", "1", "--seeds", "3", "--settings", "none",
-            "dapo", "--steps", "2", "--nproc", "1", *SMALL]
+            "dapo", "--steps", "2", "--nproc", "1", *SMALL, "trainer.dump_every=1"]
     assert ablate.main(argv) == 0
     saved = json.loads((tmp_path / "ablation.json").read_text())
     assert set(saved["summary"]) == {"none", "dapo"} and saved["meta"]["lag"] == 1
+    # the DAPO block rejects; its rejections are split by answer from the runs' dumps, none has none
+    dapo, none = saved["summary"]["dapo"], saved["summary"]["none"]
+    assert 0 <= dapo["rejected_right"] <= 1 and 0 <= dapo["rejected_wrong"] <= 1
+    assert none["rejected_right"] is None and none["rejected_wrong"] is None
     for setting in ("none", "dapo"):
         records = ablate.read_metrics(tmp_path / "runs" / f"{setting}_s3" / "tiny_cpu" / "metrics.jsonl")
         assert [r["step"] for r in records] == [1, 2]

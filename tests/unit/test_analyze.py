@@ -203,6 +203,7 @@ def _dumps(directory: Path, k3_noise: list[float]) -> None:
 def test_dumps_directory_rising_mismatch_is_flagged_from_the_dumps(tmp_path):
     _dumps(tmp_path / "dumps", [0.02, 0.03, 0.05, 0.08, 0.12, 0.18])   # k3 ~ noise^2 / 2: 2e-4 -> 1.6e-2
     (tmp_path / "dumps" / "step_99.jsonl.tmp").write_text("half a dump")   # a dump being written: ignored
+    (tmp_path / "dumps" / "step_33.jsonl").write_text("")   # a step without a training batch: skipped
     analysis = analyze(tmp_path / "dumps")
     assert analysis.input.kind == "dumps" and analysis.input.steps == [5, 10, 15, 20, 25, 30]
     assert analysis.trend.source == "dumps" and len(analysis.trend.values) == 6
@@ -334,3 +335,9 @@ def test_without_matplotlib_the_rest_is_written_and_the_fix_said(tmp_path, monke
     assert summary["plots"] == [] and summary["plots_error"] == INSTALL_HINT
     assert "pip install 'megatron-rlcorr[plots]'" in (tmp_path / "out" / "report.md").read_text()
     assert not list((tmp_path / "out").glob("*.png"))
+
+
+def test_a_dumps_directory_of_empty_dumps_is_an_error(tmp_path):
+    (tmp_path / "step_1.jsonl").write_text("")
+    with pytest.raises(ValueError, match="every step_<N>.jsonl dump is empty"):
+        analyze(tmp_path)

@@ -74,3 +74,32 @@ def test_train_refuses_to_resume_on_another_layout_before_any_process_group(tmp_
     assert "resume only on the layout that wrote them" in capsys.readouterr().err
     # Starting afresh is allowed: the recipe check passes (then the process group would be built).
     assert train.load_and_check(str(TINY), args[2:] + ["trainer.resume=false"], 2).trainer.resume is False
+
+
+@pytest.mark.parametrize("adam_cls, extra", [(torch.optim.Adam, {}), (torch.optim.AdamW, {"weight_decay": 0.1}),
+                                             (torch.optim.Adam, {"amsgrad": True})])
+def test_a_started_adam_state_steps_exactly_like_no_state(adam_cls, extra):
+    """start_adam_state (for saving a run whose updates were all skipped) gives step 0 and zero
+    moments; the next real steps equal a fresh Adam's, bit for bit."""
+    from types import SimpleNamespace
+
+    from megatron_rlcorr.training.checkpoint import start_adam_state
+
+    torch.manual_seed(0)
+    start = [torch.randn(4, 3), torch.randn(5)]
+    fresh = [p.clone().requires_grad_() for p in start]
+    started = [p.clone().requires_grad_() for p in start]
+    opt_fresh, opt_started = adam_cls(fresh, lr=1e-2, **extra), adam_cls(started, lr=1e-2, **extra)
+    start_adam_state(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=opt_started)]))
+    assert all(float(opt_started.state[p]["step"]) == 0 and not opt_started.state[p]["exp_avg"].any()
+               for p in started)
+    assert opt_started.state_dict()["state"] and not opt_fresh.state_dict()["state"]
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in start]
+        for params, opt in ((fresh, opt_fresh), (started, opt_started)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, before in zip(fresh, started, start):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, before)  # it did train

@@ -15,7 +15,7 @@ import torch
 from megatron_rlcorr.config import RolloutCorrectionConfig
 from megatron_rlcorr.correction import compute_rollout_correction, core
 from tests.reference import (Batch, RefResult, clean_batch, compare_metrics, cu_seqlens_of,
-                             padded_to_packed, parse_config, reference_correction)
+                             padded_to_packed, parse_config)
 
 CONFIGS = {
     "disabled": {},

@@ -69,6 +69,9 @@ def test_memory_terms_by_hand():
     assert memory.logits == 10 * 512 * 1024 / 2
     assert memory.rollout == memory.rollout_resident == 276_032 * 2   # the embedded engine's bf16 copy
     assert memory.total == last * 12 + 512 * 2 * 832 + 10 * 512 * 512 + 276_032 * 2
+    lagged = estimate_memory(_hand_recipe("rollout.policy_lag=2"), 8, 80 * GiB)  # 3 weight sets
+    assert lagged.rollout == lagged.rollout_resident == 3 * 276_032 * 2
+    assert lagged.total == memory.total + 2 * 276_032 * 2
     # The first stage holds pp micro-batches under 1F1B, more when interleaved (x 1 + (pp-1)/(pp*vpp)).
     assert in_flight_micro_batches(_hand_recipe().parallel) == 2
     assert in_flight_micro_batches(load_recipe(TINY, [*HAND, "parallel.pp=4", "parallel.vpp=2"]).parallel) == 5.5

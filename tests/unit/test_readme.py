@@ -143,3 +143,32 @@ def test_the_analyze_section_commands_run(tmp_path, monkeypatch, capsys):
     assert summary["num_sequences"] == 160
     assert "kl_rising" in {f["check"] for f in summary["findings"]}
     assert (run / "analysis" / "report.md").is_file()
+
+
+def test_the_ablation_section_shows_the_committed_result(monkeypatch):
+    """"What the correction does": the table is docs/ablation's, verbatim; the figure is there; and
+    the command, as written, is valid and is the one that produced them (its recorded command
+    differs only by options at their defaults and tensorboard)."""
+    import json
+    import shlex
+
+    section = (ROOT / "README.md").read_text().split("## What the correction does", 1)[1].split("\n## ", 1)[0]
+    assert (ROOT / "docs" / "ablation" / "ablation_brief.md").read_text() in section
+    figure = re.search(r"!\[[^\]]*\]\(([^)]+)\)", section).group(1)
+    assert (ROOT / figure).read_bytes()[:4] == b"\x89PNG"
+    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
+    words = shlex.split(command)
+    assert words[:2] == ["python", "tools/ablate.py"]
+
+    from tests.unit.test_ablate import ablate
+
+    monkeypatch.chdir(ROOT)
+    written = ablate.parse_args(words[2:])
+    ablate.check_args(written)
+    recorded = ablate.parse_args(shlex.split(json.loads(
+        (ROOT / "docs" / "ablation" / "ablation.json").read_text())["meta"]["command"])[2:])
+    for name in ("recipe", "lag", "seeds", "settings", "defines", "steps", "nproc", "reference"):
+        assert getattr(written, name) == getattr(recorded, name), name
+    assert set(written.overrides) == set(recorded.overrides) - {"trainer.tensorboard=false"}
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")][1:]
+    assert [r for r in rows if not r.endswith("reference")] == written.settings
