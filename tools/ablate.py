@@ -81,6 +81,7 @@ MISMATCH = (("k3 KL", KL), ("abs log ppl diff", "rollout_corr/log_ppl_abs_diff")
             ("chi2_seq", "rollout_corr/chi2_seq"), ("RS masked", "rollout_corr/rollout_rs_masked_fraction"))
 SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 3.0, 20, 5
 NO_REJECTION = {"rejected_right": math.nan, "rejected_wrong": math.nan}
+UNSHOWN_OVERRIDES = ("trainer.tensorboard=", "trainer.dump_every=")  # not named in the figure's title
 
 
 @dataclass(frozen=True)
@@ -520,7 +521,9 @@ def plot_combined(curves: dict[str, dict[int, dict[str, list[float]]]], meta: di
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{Path(str(meta.get('recipe', ''))).name}, rollout.policy_lag={meta.get('lag', 0)}", fontsize=11)
+    shown = [o for o in meta.get("overrides", []) if not o.startswith(UNSHOWN_OVERRIDES)]
+    fig.suptitle(", ".join([Path(str(meta.get("recipe", ""))).name, f"rollout.policy_lag={meta.get('lag', 0)}",
+                            *shown]), fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
