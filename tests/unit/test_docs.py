@@ -219,7 +219,7 @@ ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
         ("tests/unit/test_make_tiny_hf.py::test_files",
          f"{T_HF_RUNS}::test_dataset_run_learns_the_format_and_resumes_with_the_next_prompts",
          f"{T_HF_RUNS}::test_save_hf_writes_a_checkpoint_transformers_loads"),
-        "about 40 s of training on 2 cores; its parts (the tiny files, the tiny_hf_cpu run, the export) are tested, "
+        "about 35 s of training on 2 cores; its parts (the tiny files, the tiny_hf_cpu run, the export) are tested, "
         "and this file runs tools/summarize_run.py"),
     "torchrun --nproc_per_node=2 -m megatron_rlcorr.train --config recipes/tiny_cpu.yaml trainer.steps=20": (
         ("tests/distributed/test_trainer.py::test_torchrun_end_to_end_writes_finite_metrics",),
