@@ -337,19 +337,15 @@ def rejection_by_answer(dumps: Path, block: dict[str, Any]) -> dict[str, float]:
     if not dumps.is_dir() or not any(f.stat().st_size for f in dumps.glob("step_*.jsonl")):
         return {}  # no dumps, or only steps without a training batch
     inp = load_input(dumps)
-    rewards = torch.tensor([json.loads(line)["reward"] for f in inp.files
-                            for line in f.read_text().splitlines() if line.strip()])
     rejected = torch.zeros(inp.batch.num_sequences, dtype=torch.bool)
     valid = torch.zeros(inp.batch.num_sequences, dtype=torch.bool)
     for step in inp.steps:
         rows = inp.step_of_sequence == step
-        batch = inp.batch.select(rows)
-        seq, zeros = batch.sequence_of_token, torch.zeros(batch.num_sequences, dtype=torch.float64)
-        n_valid = zeros.index_add(0, seq, batch.mask.double())
-        n_kept = zeros.index_add(0, seq, evaluate(batch, config).kept.double())
-        rejected[rows], valid[rows] = n_kept < n_valid, n_valid > 0
-    right = rewards > 0
-    return {"rejected_right": _share(rejected[valid & right]), "rejected_wrong": _share(rejected[valid & ~right])}
+        ev = evaluate(inp.batch.select(rows), config)
+        rejected[rows], valid[rows] = ~ev.sequence_kept, ev.nonempty
+    scored = valid & inp.reward_of_sequence.isfinite()
+    right = inp.reward_of_sequence > 0
+    return {"rejected_right": _share(rejected[scored & right]), "rejected_wrong": _share(rejected[scored & ~right])}
 
 
 def _share(flags: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ data the project already writes, so the analyzer takes that data as it is:
   `rollout_log_probs` (the engine's) and `log_probs` (the trainer's), one per response token;
 - a dumps directory: `step_<N>.jsonl` files in the same format (rl/dumps.py, written every
   `trainer.dump_every` steps), N the step (records may also carry `step`, `reward` and
-  `finish_reason`, which the analysis does not need);
+  `finish_reason`; `reward` is kept per sequence, for tools/ablate.py);
 - a run directory: `dumps/` as above, `metrics.jsonl` (rl/progress.py: one JSON object per logged
   step) and the run's resolved `recipe.yaml`.
 
@@ -85,6 +85,7 @@ class AnalysisInput:
     batch: Batch
     files: list[Path]
     step_of_sequence: torch.Tensor | None = None  # int64 [S] for dumps, None for a scored file
+    reward_of_sequence: torch.Tensor | None = None  # float64 [S] for dumps (NaN where a record has none)
     metrics: list[dict[str, Any]] | None = None   # metrics.jsonl records of a run, in file order
     recipe: Path | None = None                    # the run's recipe.yaml, when there is one
 
@@ -120,8 +121,11 @@ def _from_dumps(path: Path, kind: str, dumps: list[tuple[int, Path]], metrics: l
         file_records = _scored_records(file)
         records += file_records
         steps += [step] * len(file_records)
+    rewards = [r.fields.get("reward") for r in records]
     return AnalysisInput(path, kind, _pack(records, path), [f for _, f in dumps],
-                         torch.tensor(steps, dtype=torch.int64), metrics, recipe)
+                         torch.tensor(steps, dtype=torch.int64),
+                         torch.tensor([math.nan if x is None else float(x) for x in rewards], dtype=torch.float64),
+                         metrics, recipe)
 
 
 def _dump_files(directory: Path, run: Path | None) -> list[tuple[int, Path]]:

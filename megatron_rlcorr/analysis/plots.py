@@ -181,7 +181,7 @@ def _marks(block: Evaluation, level: str) -> list[tuple[float, str, str]]:
 def _seq_vs_length(fig: Any, inp: AnalysisInput, seqs: Sequences, block: Evaluation) -> None:
     ax = fig.subplots()
     n, s = seqs.num_tokens, seqs.log_ratio_sum
-    kept = _kept_sequences(inp, block)
+    kept = block.sequence_kept[block.nonempty]
     for mask, label, colour in ((kept, "kept by the block", "tab:blue"), (~kept, "rejected by the block", "tab:red")):
         if mask.any():
             ax.scatter(n[mask].numpy(), s[mask].numpy(), s=9, alpha=0.5, color=colour, label=label)
@@ -211,15 +211,6 @@ def _seq_vs_length(fig: Any, inp: AnalysisInput, seqs: Sequences, block: Evaluat
     ax.set_title(f"Sequence log-ratio against length ({len(seqs)} sequences): the sum grows with n, so sequence "
                  f"IS saturates on long responses")
     ax.legend(fontsize=8, loc="best")
-
-
-def _kept_sequences(inp: AnalysisInput, block: Evaluation) -> torch.Tensor:
-    """bool over the non-empty sequences: does the block keep every valid token of it?"""
-    batch, seq = inp.batch, inp.batch.sequence_of_token
-    zeros = torch.zeros(batch.num_sequences, dtype=torch.float64)
-    valid = zeros.index_add(0, seq, batch.mask.double())
-    kept = zeros.index_add(0, seq, block.kept.double())
-    return (kept == valid)[valid > 0]
 
 
 def _kept_vs_threshold(fig: Any, inp: AnalysisInput, seqs: Sequences, block: Evaluation) -> None:

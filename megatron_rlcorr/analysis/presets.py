@@ -73,6 +73,8 @@ class Evaluation:
     metrics: dict[str, float]
     is_weights: torch.Tensor | None    # float32 [N], as returned
     kept: torch.Tensor                 # float32 [N], the returned mask
+    sequence_kept: torch.Tensor        # bool [S]: every valid token of the sequence kept
+    nonempty: torch.Tensor             # bool [S]: the sequence has a valid token
 
     def numbers(self) -> dict[str, Any]:
         """The JSON-ready numbers of `summary.json` (presets and correction)."""
@@ -102,17 +104,18 @@ def evaluate(batch: Batch, config: RolloutCorrectionConfig) -> Evaluation:
     per_seq = torch.zeros(batch.num_sequences, dtype=torch.float64)
     n_valid = per_seq.index_add(0, seq, valid)
     n_kept = per_seq.index_add(0, seq, kept)
-    nonempty = n_valid > 0
+    nonempty, sequence_kept = n_valid > 0, n_kept == n_valid
     weights = out.is_weights.double() if out.is_weights is not None else valid
     mean, std, top, ess = _weight_stats(weights[kept > 0])
     return Evaluation(
         config=config,
         kept_token_fraction=float(kept.sum() / valid.sum()),
-        kept_sequence_fraction=float((n_kept[nonempty] == n_valid[nonempty]).double().mean()),
+        kept_sequence_fraction=float(sequence_kept[nonempty].double().mean()),
         ess=ess, weight_mean=mean, weight_std=std, weight_max=top,
         unit_mean=_unit_mean(config, weights, valid, seq, n_valid),
         metrics={k.removeprefix("rollout_corr/"): float(v) for k, v in out.metrics.items()},
-        is_weights=out.is_weights, kept=out.response_mask.float() * batch.mask,
+        is_weights=out.is_weights, kept=out.response_mask.float() * batch.mask, sequence_kept=sequence_kept,
+        nonempty=nonempty,
     )
 
 

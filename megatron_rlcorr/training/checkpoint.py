@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .optimizer import inner_optimizers
+
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
 
@@ -126,11 +128,7 @@ def _rng_object(groups: ParallelGroups):
 
 
 def _optimizer_kind(optimizer) -> str:
-    return "distributed" if _inner_optimizers(optimizer)[0].__class__.__name__ == "DistributedOptimizer" else "plain"
-
-
-def _inner_optimizers(optimizer) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    return "distributed" if inner_optimizers(optimizer)[0].__class__.__name__ == "DistributedOptimizer" else "plain"
 
 
 def _full_state(model_chunks, optimizer, scheduler, groups, common: dict[str, Any], *, is_loading: bool,
@@ -236,7 +234,7 @@ def load(directory: Path, *, model_chunks: list[Any], optimizer, scheduler, grou
                          f"{_optimizer_kind(optimizer)} one: set optim.use_distributed_optimizer="
                          f"{str(saved_kind == 'distributed').lower()} to resume it")
     if optimizer is not None:
-        _allocate_optimizer_state(optimizer)
+        start_adam_state(optimizer)  # a fresh optimizer's state, for the load to fill in
     same_layout = saved_layout(directory) == layout
     state = _full_state(model_chunks, optimizer, scheduler, groups, common, is_loading=True, with_rng=same_layout)
     loaded = dist_checkpointing.load(state, str(directory), _load_strategy(groups))
@@ -267,29 +265,20 @@ def _load_strategy(groups: ParallelGroups):
     return FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), groups.dp_cp)
 
 
-def _allocate_optimizer_state(optimizer) -> None:
-    """A fresh distributed optimizer over torch's Adam (the CPU path) has no state yet, and its
-    sharded_state_dict needs one to describe what it loads (Megatron's own fix: one Adam step
-    with zero gradients, whose values the load then overwrites). TE's and apex's Adam, on GPU,
-    describe an empty state by themselves."""
-    for inner in _inner_optimizers(optimizer):
-        if (inner.__class__.__name__ == "DistributedOptimizer" and isinstance(inner.optimizer, torch.optim.Adam)
-                and not inner.optimizer.state):
-            inner._init_optimizer_states_with_dummy_values()
-
-
 def start_adam_state(optimizer) -> None:
     """Give every parameter without Adam state the state torch's Adam starts from (step 0, zero
     moments), on the CPU path (torch's Adam under Megatron's optimizer).
 
-    Why: a run whose every update so far was skipped (a zero gradient: every token rejected,
-    training/optimizer.step_optimizer) has no Adam state, and Megatron's distributed optimizer
-    cannot save an empty torch-Adam state (it reads one `step` from the states). From step 0 and
-    zero moments torch's Adam computes exactly what it computes from no state, so the saved
-    checkpoint resumes as the run would have continued. TE's and apex's Adam, on GPU, describe
+    Why: Megatron's distributed optimizer cannot describe an empty torch-Adam state (it reads one
+    `step` from the states), which a fresh optimizer has when it loads a checkpoint, and a run
+    whose every update so far was skipped (a zero gradient: every token rejected,
+    training/optimizer.step_optimizer) has when it saves one. From step 0 and zero moments
+    torch's Adam computes exactly what it computes from no state, so a save resumes as the run
+    would have continued, and a load overwrites them. (Megatron's own answer, an Adam step on
+    zero gradients, would step a run that never updated.) TE's and apex's Adam, on GPU, describe
     an empty state by themselves.
     """
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         adam = getattr(inner, "optimizer", None)
         if not isinstance(adam, torch.optim.Adam):  # torch's AdamW subclasses it
             continue

@@ -240,6 +240,12 @@ def zero_grads(model_chunks: list[Any], optimizer) -> None:
     optimizer.zero_grad()
 
 
+def inner_optimizers(optimizer) -> list[Any]:
+    """The optimizers inside Megatron's ChainedOptimizer (one per parameter group kind), or the
+    optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def step_optimizer(optimizer) -> tuple[bool, float]:
     """Megatron's optimizer step, except that a step whose gradient is zero everywhere changes
     nothing: (updated, global grad norm; NaN when Megatron found inf/nan and skipped).
@@ -261,7 +267,7 @@ def step_optimizer(optimizer) -> tuple[bool, float]:
     grad_norm = float(optimizer.get_grad_norm())
     if grad_norm == 0.0:
         return False, 0.0
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for part in inner_optimizers(optimizer):
         params = part.get_parameters()
         if params and part.config.clip_grad > 0.0 and not getattr(part, "is_stub_optimizer", False):
             clip_grad_by_total_norm_fp32(params, part.config.clip_grad, grad_norm,
