@@ -8,8 +8,10 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         # torch is installed first by tools/test.sh (CPU wheel 2.13.0) when absent; a GPU
-        # machine's own torch satisfies this range and is never replaced.
-        "torch>=2.4",
+        # machine's own torch is never replaced (tools/_env.sh). The floor is megatron-core's own
+        # (0.16-0.19 require torch>=2.6.0), written 2.6.0a0 so that NGC's pre-release builds of 2.6
+        # (2.6.0a0+nv...), which PEP 440 orders before 2.6.0, meet it.
+        "torch>=2.6.0a0",
         "megatron-core>=0.16.1,<0.20",
         "pyyaml>=6.0",
         # Hugging Face checkpoints, tokenizers and prompt datasets (all read locally, never from a hub).
@@ -21,7 +23,11 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "te": ["transformer-engine[pytorch]>=2.0"],
+        # Transformer Engine for the megatron-core that pip picks: 0.16.1 on Python < 3.12 declares
+        # >=2.9,<2.12; 0.17-0.19 (Python 3.12) are built against TE 2.14-2.17, and 0.19.2 ran with
+        # 2.20.2 on an H100. [pytorch] builds the torch extension for the local torch's CUDA.
+        "te": ['transformer-engine[pytorch]>=2.9,<2.12; python_version < "3.12"',
+               'transformer-engine[pytorch]>=2.9,<2.21; python_version >= "3.12"'],
         "vllm": ["vllm==0.25.1"],  # rollout/vllm_engine.py is written against this version
         "math": ["math-verify>=0.7"],
         "plots": ["matplotlib>=3.7"],  # `analyze` and tools/ablate.py draw their figures with it

@@ -49,6 +49,9 @@ def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_
         "params_total": counts.total,
         "params_per_gpu_max": counts.per_gpu_max,
         "memory_gib_per_gpu": memory.gib(),
+        "phases_gib_per_gpu": memory.phases_gib(),
+        "offload": {"params": model.offload_params, "grads": model.offload_grads,
+                    "optimizer": recipe.optim.offload_optimizer},
         "most_loaded_stage": memory.stage,
         "usable_gib": round(usable_bytes(gpu_memory_gib) / GiB, 2),
         "fits": memory.total <= usable_bytes(gpu_memory_gib),
@@ -107,8 +110,12 @@ def format_report(report: dict[str, Any]) -> str:
     verdict = "fits" if report["fits"] else "does NOT fit: try `--search`"
     lines.append(f"  {'total':<12} {memory['total']:>8.2f} of {report['usable_gib']:g} usable "
                  f"({report['gpu_memory_gib']:g} less {HEADROOM:.0%} headroom): {verdict}")
-    lines.append("  (total = weights + gradients + optimizer + the larger of training (activations + logits + "
-                 "what the engine keeps while asleep) and generation (the engine's share))")
+    phases, offload = report["phases_gib_per_gpu"], report["offload"]
+    moved = [name for name in ("params", "grads", "optimizer") if offload[name]]
+    lines.append(f"  phases: training {phases['training']:.2f}, generation {phases['generation']:.2f} "
+                 f"(offloaded while generating: {', '.join(moved) if moved else 'nothing'}, {phases['offloaded']:.2f})")
+    lines.append("  (total = the larger of training (weights + gradients + optimizer + activations + logits + what "
+                 "the engine keeps while asleep) and generation (the states not offloaded + the engine's share))")
     lines.append("launch:")
     if report["nodes"] > 1:
         lines.append("  # on every node (or under SLURM: srun --nodes=N --ntasks-per-node=1 bash tools/launch.sh ...)")

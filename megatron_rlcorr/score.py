@@ -7,7 +7,8 @@
 Face checkpoint, a run or one of its checkpoints (recipe/source.py). IN is a rollout file
 (data/rollout_file.py); OUT holds the same records in the same order, each with `log_probs`: the
 float32 log-prob the Megatron model gives every response token, at `rollout.temperature` as the
-trainer applies it, under the layout of the overrides (`parallel.tp=2`, `model.bf16=true`, ...).
+trainer applies it, under the layout of the overrides (`parallel.tp=2`, `model.bf16=true`, ...),
+normalised over the tokenizer's rows only (PADDED_ROWS_NOTE).
 
 Each data-parallel replica scores every dp-th record, shortest first, in calls of
 `trainer.micro_batch_size` x pp sequences (forward only, the trainer's pipeline schedule);
@@ -38,6 +39,14 @@ DAPO_CORRECTION = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_thre
                                           rollout_token_veto_threshold=1e-4)
 
 
+PADDED_ROWS_NOTE = (
+    "Padded vocabulary rows are masked: where the checkpoint's vocabulary is padded beyond its tokenizer "
+    "(model.token_vocab_size, taken from the tokenizer; Qwen2.5: 151,665 tokens of 152,064 rows), the rows "
+    "beyond it get no probability, as in training and in both rollout engines, and a response token among "
+    "them is refused. transformers does not mask them, so on such a checkpoint its log-prob of a token is "
+    "this one + log(1 - p_padded), p_padded being the probability it gives the padded rows.")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megatron-rlcorr score",
                                      description="the trainer's log-probs of an engine's rollouts")
@@ -46,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = PADDED_ROWS_NOTE
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint dir, run dir or run checkpoint")
     parser.add_argument("--rollouts", required=True, help="rollout file (JSONL with prompt_ids, response_ids)")
     parser.add_argument("--out", required=True, help="output JSONL (the records with log_probs added)")
@@ -61,7 +71,20 @@ def prepare(args: argparse.Namespace, world_size: int) -> tuple[ModelSource, Rec
     check_source_layout(source, recipe, world_size)
     if Path(args.out).resolve() == Path(args.rollouts).resolve():
         raise ValueError(f"--out {args.out} is the input file; write the scored records elsewhere")
-    return source, recipe, read_rollouts(args.rollouts, vocab_size=recipe.model.vocab_size)
+    records = read_rollouts(args.rollouts, vocab_size=recipe.model.vocab_size)
+    check_response_rows(records, recipe.model.sampled_vocab_size, args.rollouts)
+    return source, recipe, records
+
+
+def check_response_rows(records: list[RolloutRecord], rows: int, path: str) -> None:
+    """Response tokens must be rows that can get probability (PADDED_ROWS_NOTE): a padded row's
+    log-prob would be PADDED_VOCAB_LOGIT-sized, no number a correction could use."""
+    for i, record in enumerate(records):
+        beyond = [t for t in record.response_ids if t >= rows]
+        if beyond:
+            raise ValueError(f"{path}: record {i + 1} (in file order): response_ids holds token id {beyond[0]}, a padded vocabulary "
+                             f"row beyond the tokenizer's {rows} tokens (model.token_vocab_size), which no engine "
+                             "samples and the trainer masks; were these rollouts made with another tokenizer?")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,23 @@
+import platform
+from importlib import metadata
+
 import pytest
 import torch
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def pytest_report_header(config):
+    """The versions the suite's results depend on (read from the installed metadata: importing
+    megatron.core here would cost seconds before every run)."""
+    cuda = torch.version.cuda or "none"
+    return [f"megatron-rlcorr: Python {platform.python_version()}, torch {torch.__version__} (CUDA {cuda}), "
+            f"megatron-core {_version('megatron-core')}, transformer-engine {_version('transformer-engine')}"]
 
 
 def pytest_collection_modifyitems(config, items):

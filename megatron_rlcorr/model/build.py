@@ -1,10 +1,18 @@
 """Megatron-Core's GPTModel for a ModelConfig under a parallel layout.
 
-Transformer Engine layers when CUDA and TE are present (BF16/FP8), Megatron-Core's local layers
-otherwise (the CPU path, with our all-gather attention, since Megatron's local attention rejects
-CP and packed sequences). The output layer is vocabulary-parallel and the logits
-of Megatron's vocabulary padding are PADDED_VOCAB_LOGIT, so log-softmax over the padded
-vocabulary equals the real one.
+The layers are `model.transformer_impl`'s (resolve_transformer_impl): Transformer Engine's on a
+CUDA machine (BF16/FP8, fused kernels, Megatron-LM's GPU defaults), Megatron-Core's local ones on
+the CPU (with our all-gather attention, since Megatron's local attention rejects CP and packed
+sequences). A CUDA machine without Transformer Engine is an error naming the fix, never a silent
+fall back to the local layers. The output layer is vocabulary-parallel and the logits
+of Megatron's vocabulary padding, and of the checkpoint's rows beyond its tokenizer
+(ModelConfig.token_vocab_size), are PADDED_VOCAB_LOGIT, so log-softmax over the padded
+vocabulary equals the one over the tokenizer's rows, which the rollout engines sample from.
+
+GPTModel stays the model: megatron-core 0.19 marks it deprecated (bug fixes only) in favour of
+HybridModel and logs so on every build; it is what 0.16-0.19 build dense decoders with and what
+the tests check, so that one notice is filtered out knowingly (`_drop_gptmodel_deprecation`)
+and a move to HybridModel waits until GPTModel is gone from a version setup.py admits.
 
 Initialisation: every weight is drawn from its own generator seeded by (seed, neutral name)
 (weights.init_full_weights), so a seed gives the same model under any TP/PP/VPP layout
@@ -15,26 +23,34 @@ instead, each rank reading only its shards.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from .config import PADDED_VOCAB_LOGIT, Fp8Config, ModelConfig, pad_vocab_size
+from .config import PADDED_VOCAB_LOGIT, Fp8Config, ModelConfig, TransformerImpl, pad_vocab_size
 from .weights import SPLIT_DIM, SeededWeights, WeightSource, load_full_weights, neutral_weight_shapes, parameter_slots
 
 if TYPE_CHECKING:  # megatron.core is imported only where a model is built (import time ~5 s)
     from ..parallel.groups import ParallelGroups
 
 SEQUENCE_PARALLEL_NEEDS_TE = (
-    "parallel.sequence_parallel needs Transformer Engine's layers (a CUDA machine with transformer_engine): "
-    "Megatron-Core's torch norms cannot split the sequence over tensor-parallel ranks; set "
-    "parallel.sequence_parallel: false here")
+    "parallel.sequence_parallel needs Transformer Engine's layers (model.transformer_impl: transformer_engine, "
+    "on a CUDA machine with transformer_engine): Megatron-Core's torch norms cannot split the sequence over "
+    "tensor-parallel ranks; set parallel.sequence_parallel: false for the local layers")
+TE_INSTALL = "pip install -e .[te]"
 
 
-def transformer_config(cfg: ModelConfig, groups: ParallelGroups):
-    """Megatron-Core TransformerConfig for `cfg` under the parallel layout of `groups`."""
+def transformer_config(cfg: ModelConfig, groups: ParallelGroups, *, main_grads: bool = False):
+    """Megatron-Core TransformerConfig for `cfg` under the parallel layout of `groups`.
+
+    main_grads: the model will be wrapped in Megatron's DistributedDataParallel, whose float32
+    `main_grad` buffers take the weight gradients; Transformer Engine's GEMMs then accumulate into
+    them directly where the fused kernel is installed (gradient_accumulation_fusion). A model
+    used without those buffers (forward-only, or a bare backward) must not ask for it.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if cfg.num_query_groups % groups.tp_size or cfg.num_attention_heads % groups.tp_size:
@@ -43,8 +59,7 @@ def transformer_config(cfg: ModelConfig, groups: ParallelGroups):
     stages = groups.pp_size * (groups.vpp_size or 1)
     if cfg.num_layers % stages:
         raise ValueError(f"num_layers ({cfg.num_layers}) must be divisible by pp*vpp = {stages}")
-    if groups.sequence_parallel and not use_transformer_engine():
-        raise ValueError(SEQUENCE_PARALLEL_NEEDS_TE)
+    impl = check_layers_here(cfg, sequence_parallel=groups.sequence_parallel)
     recompute = cfg.recompute.transformer_config_fields() if cfg.recompute is not None else {}
     if cfg.recompute is not None and cfg.recompute.granularity == "full" and cfg.recompute.method == "block":
         per_stage = cfg.num_layers // stages
@@ -70,7 +85,6 @@ def transformer_config(cfg: ModelConfig, groups: ParallelGroups):
         init_method_std=cfg.init_method_std,
         # Weights are set by load_full_weights (seeded per name); skip Megatron's own draw.
         perform_initialization=False,
-        use_cpu_initialization=True,
         params_dtype=cfg.torch_params_dtype,
         pipeline_dtype=cfg.torch_params_dtype,
         bf16=cfg.bf16,
@@ -81,7 +95,40 @@ def transformer_config(cfg: ModelConfig, groups: ParallelGroups):
         sequence_parallel=groups.sequence_parallel,
         **recompute,
         **_fp8_settings(cfg.fp8),
+        **implementation_fields(impl, main_grads=main_grads),
     )
+
+
+def implementation_fields(impl: TransformerImpl, *, main_grads: bool) -> dict[str, Any]:
+    """The TransformerConfig fields that follow from the layers: with Transformer Engine,
+    Megatron-LM's own GPU defaults; with the local layers, the CPU path's host initialisation."""
+    if impl == "local":
+        # Parameters allocated in host memory (Megatron-Core's CPU path; moved to a GPU after, if any).
+        return dict(use_cpu_initialization=True)
+    return dict(
+        # Each rank allocates its shards directly on its GPU (load_full_weights fills them by name), not
+        # in host memory first, every rank of a node at once, to be copied over (Megatron-Core's host
+        # path also builds each linear's full unsharded weight when it initialises one itself).
+        use_cpu_initialization=False,
+        # Transformer Engine's fused RoPE: the unfused packed (THD) path syncs with the host ~4 times
+        # per layer per micro-batch.
+        apply_rope_fusion=True,
+        bias_activation_fusion=True,          # the fused SwiGLU
+        # Free each pipeline stage's output once sent (the schedule keeps what autograd needs).
+        deallocate_pipeline_outputs=True,
+        gradient_accumulation_fusion=main_grads and gradient_accumulation_fusion_available(),
+    )
+
+
+def gradient_accumulation_fusion_available() -> bool:
+    """Whether the fused weight-gradient kernel Megatron-Core's own linear layers (the output layer)
+    require for gradient_accumulation_fusion is installed: apex's fused_weight_gradient_mlp_cuda, the
+    module whose import Megatron-Core checks (tensor_parallel/layers.py); without it they raise."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _fp8_settings(fp8: Fp8Config | None) -> dict[str, Any]:
@@ -105,24 +152,114 @@ def _fp8_settings(fp8: Fp8Config | None) -> dict[str, Any]:
     return {"fp8": fp8.format, "fp8_recipe": fp8.recipe}
 
 
-def use_transformer_engine() -> bool:
-    """True when Transformer Engine layers can be used: CUDA present and TE importable."""
-    if not torch.cuda.is_available():
-        return False
+def resolve_transformer_impl(requested: TransformerImpl | None) -> TransformerImpl:
+    """The layers a model built in this process uses: `requested` (model.transformer_impl), by
+    default Transformer Engine's where CUDA is available and Megatron-Core's local ones without.
+
+    Raises ValueError when the choice cannot be built here: Transformer Engine without CUDA, or
+    CUDA with a Transformer Engine that does not import (the local layers are slow on a GPU: no
+    fused kernels, no FP8 or sequence parallelism, an L x L float32 score matrix per head).
+    """
+    cuda = torch.cuda.is_available()
+    impl = requested or ("transformer_engine" if cuda else "local")
+    if impl == "local":
+        return impl
+    if not cuda:
+        raise ValueError("model.transformer_impl: transformer_engine needs a CUDA GPU, and this process sees none "
+                         "(torch.cuda.is_available() is False): run it on a GPU machine, or set "
+                         "model.transformer_impl: local (Megatron-Core's torch layers) or leave it unset")
+    problem = _transformer_engine_import_error()
+    if problem is not None:
+        why = "model.transformer_impl is transformer_engine" if requested else \
+            "model.transformer_impl is unset, which means transformer_engine where CUDA is available"
+        raise ValueError(f"Transformer Engine does not import on this CUDA machine ({problem}), and {why}: install "
+                         f"it with `{TE_INSTALL}` (offline GPU machines: stage it as the README's GPU check says), or "
+                         "set model.transformer_impl: local to use Megatron-Core's torch layers on the GPU (slower: "
+                         "no fused kernels, no FP8, no sequence parallelism)")
+    return impl
+
+
+def _transformer_engine_import_error() -> str | None:
+    """Why `import transformer_engine.pytorch` fails here, or None. A partial install fails with
+    other errors than ImportError (a missing torch extension, an assertion in its loader)."""
     try:
         import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - reported to the user with the fix
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def check_layers_here(cfg: ModelConfig, *, sequence_parallel: bool) -> TransformerImpl:
+    """What building `cfg` in this process needs, checked before anything is built (recipe load for
+    train, score and export; `plan` skips it): the layers (resolve_transformer_impl), Transformer
+    Engine's for sequence parallelism and FP8, and an FP8 recipe this GPU runs. Returns the layers."""
+    impl = resolve_transformer_impl(cfg.transformer_impl)
+    if sequence_parallel and impl != "transformer_engine":
+        raise ValueError(SEQUENCE_PARALLEL_NEEDS_TE)
+    if cfg.fp8 is not None:
+        if impl != "transformer_engine":
+            raise ValueError("model.fp8 needs Transformer Engine's layers on a CUDA machine, and this process has no "
+                             "CUDA GPU: remove model.fp8 to run here (`plan` checks FP8 recipes without a GPU)")
+        reason = fp8_recipe_unsupported_here(cfg.fp8.recipe)
+        if reason is not None:
+            raise ValueError(f"model.fp8.recipe={cfg.fp8.recipe!r} cannot run on this machine: {reason}; use another "
+                             "recipe (tensorwise or delayed run from compute capability 8.9 on) or remove model.fp8")
+    return impl
+
+
+# Transformer Engine's availability check per FP8 recipe (transformer_engine.pytorch.quantization).
+_TE_FP8_CHECKS = {"delayed": "check_fp8_support", "tensorwise": "check_fp8_support",
+                  "blockwise": "check_fp8_block_scaling_support", "mxfp8": "check_mxfp8_support"}
+
+
+def fp8_recipe_unsupported(recipe: str, capability: tuple[int, int], cuda_version: str | None) -> str | None:
+    """Why a GPU of compute `capability` under CUDA `cuda_version` (torch.version.cuda) cannot run
+    the FP8 `recipe`, by the rules of Transformer Engine's checks (_TE_FP8_CHECKS), or None."""
+    cuda = tuple(int(part) for part in (cuda_version or "0").split(".")[:2])
+    if recipe in ("delayed", "tensorwise"):
+        if capability < (8, 9):
+            return "FP8 needs compute capability 8.9 or higher (Ada, Hopper, Blackwell)"
+        if capability < (9, 0) and cuda < (12, 1):
+            return "FP8 on compute capability 8.9 (Ada) needs CUDA 12.1 or higher"
+    elif recipe == "blockwise":
+        if capability < (9, 0) or cuda < (12, 9):
+            return "blockwise FP8 scaling needs compute capability 9.0 or higher and CUDA 12.9 or higher"
+    elif recipe == "mxfp8":
+        if not (10, 0) <= capability < (12, 0):
+            return ("MXFP8 needs compute capability 10.x (Blackwell data-centre GPUs; Transformer Engine does not run "
+                    "it on 12.0+ yet)")
+    return None
+
+
+def fp8_recipe_unsupported_here(recipe: str) -> str | None:
+    """Why this process's GPU cannot run the FP8 `recipe` (fp8_recipe_unsupported, then the
+    installed Transformer Engine's own check, which is what its layers will assert), or None."""
+    capability = torch.cuda.get_device_capability()
+    where = (f"{torch.cuda.get_device_name()} has compute capability {capability[0]}.{capability[1]}, torch's CUDA "
+             f"is {torch.version.cuda}")
+    reason = fp8_recipe_unsupported(recipe, capability, torch.version.cuda)
+    if reason is None:
+        reason = _transformer_engine_fp8_check(recipe)
+    return None if reason is None else f"{reason} ({where})"
+
+
+def _transformer_engine_fp8_check(recipe: str) -> str | None:
+    try:  # Transformer Engine >= 2.9; before, the same functions lived in transformer_engine.pytorch.fp8
+        from transformer_engine.pytorch import quantization as checks
     except ImportError:
-        return False
-    return True
+        from transformer_engine.pytorch import fp8 as checks
+    check = getattr(checks, _TE_FP8_CHECKS[recipe], None)
+    if check is None:
+        return f"the installed Transformer Engine has no {_TE_FP8_CHECKS[recipe]} (it predates the {recipe} recipe)"
+    supported, reason = check()
+    return None if supported else f"Transformer Engine: {reason}"
 
 
 def _layer_spec(cfg: ModelConfig, groups: ParallelGroups, config, vp_stage: int | None):
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if use_transformer_engine():
+    if resolve_transformer_impl(cfg.transformer_impl) == "transformer_engine":  # checked by transformer_config
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    if cfg.fp8 is not None:
-        raise ValueError("model.fp8 needs Transformer Engine on a CUDA machine; remove fp8 to run without it")
     return _local_block_spec(cfg, groups, config, vp_stage)
 
 
@@ -166,19 +303,21 @@ def vp_stages(groups: ParallelGroups) -> list[int | None]:
 
 
 def build_model_chunks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int = 1234,
-                       weights: WeightSource | None = None, init_weights: bool = True) -> list[Any]:
+                       weights: WeightSource | None = None, init_weights: bool = True,
+                       main_grads: bool = False) -> list[Any]:
     """This rank's GPTModel chunks, one per virtual pipeline stage, from one weight source (none
-    with init_weights=False: a checkpoint's state follows)."""
+    with init_weights=False: a checkpoint's state follows). main_grads: see transformer_config."""
     if init_weights and weights is None:
         weights = initial_weights(cfg, seed)
-    return [build_gpt_model(cfg, groups, vp_stage=vp, seed=seed, weights=weights, init_weights=init_weights)
+    return [build_gpt_model(cfg, groups, vp_stage=vp, seed=seed, weights=weights, init_weights=init_weights,
+                            main_grads=main_grads)
             for vp in vp_stages(groups)]
 
 
 def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bool | None = None,
                     post_process: bool | None = None, vp_stage: int | None = None, seed: int = 1234,
-                    init_weights: bool = True, weights: WeightSource | None = None):
-    """This rank's GPTModel chunk (TE layers with CUDA + Transformer Engine, else local layers).
+                    init_weights: bool = True, weights: WeightSource | None = None, main_grads: bool = False):
+    """This rank's GPTModel chunk, of model.transformer_impl's layers (resolve_transformer_impl).
 
     pre_process / post_process default to whether this is the first / last pipeline stage (for
     virtual chunk `vp_stage`). Weights come from `weights`, by default `initial_weights(cfg,
@@ -186,16 +325,17 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
     layout); with init_weights=False they stay uninitialised (load_full_weights or a checkpoint
     must follow). `seed` also seeds Megatron's TP RNG tracker if nobody did yet.
     The output layer is vocabulary-parallel ([b, s, V_padded / tp] per TP rank); logits of
-    Megatron's vocabulary padding are PADDED_VOCAB_LOGIT.
+    the rows from cfg.sampled_vocab_size on (Megatron's padding included) are PADDED_VOCAB_LOGIT.
     """
     from megatron.core.models.gpt import GPTModel
 
+    _drop_gptmodel_deprecation()
     if pre_process is None:
         pre_process = groups.is_pipeline_first_stage(vp_stage)
     if post_process is None:
         post_process = groups.is_pipeline_last_stage(vp_stage)
     padded_vocab = pad_vocab_size(cfg.vocab_size, groups.tp_size, cfg.make_vocab_size_divisible_by)
-    config = transformer_config(cfg, groups)
+    config = transformer_config(cfg, groups, main_grads=main_grads)
     model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(cfg, groups, config, vp_stage),
@@ -221,9 +361,11 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
             param.data = param.data.to(cfg.torch_params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    if post_process and padded_vocab > cfg.vocab_size:
-        mask_padding = _padded_vocab_mask_hook(cfg.vocab_size, padded_vocab, groups.tp_rank)
+    if post_process and padded_vocab > cfg.sampled_vocab_size:
+        mask_padding = _padded_vocab_mask_hook(cfg.sampled_vocab_size, padded_vocab, groups.tp_rank)
         model.output_layer.register_forward_hook(mask_padding)
+    if post_process and cfg.fp32_lm_head:
+        _output_layer_in_float32(model.output_layer)
     _seed_megatron_rng(seed, groups)
     if init_weights:
         load_full_weights([model], weights if weights is not None else initial_weights(cfg, seed), groups)
@@ -233,9 +375,10 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
 def _mark_tensor_parallel_params(model, tied: bool) -> None:
     """Set Megatron's `tensor_model_parallel` / `partition_dim` on TP-split parameters.
 
-    With use_cpu_initialization=True and perform_initialization=False Megatron-Core's parallel
-    linear layers skip the call that sets them; the optimizer's grad norm (and clipping) then
-    counts only TP rank 0's shard of every split weight.
+    With perform_initialization=False Megatron-Core's own parallel layers (embedding, output layer,
+    local linears) skip the call that sets them, on the host and on the GPU alike (Transformer
+    Engine's layers set them themselves); the optimizer's grad norm (and clipping) would then count
+    only TP rank 0's shard of every split weight.
     """
     for slot in parameter_slots(model, tied):
         if slot.layout != "replicated" and not getattr(slot.param, "tensor_model_parallel", False):
@@ -244,14 +387,35 @@ def _mark_tensor_parallel_params(model, tied: bool) -> None:
             slot.param.partition_stride = 1
 
 
-def _padded_vocab_mask_hook(vocab_size: int, padded_vocab: int, tp_rank: int) -> Callable:
-    """Forward hook of the output layer: padding columns get PADDED_VOCAB_LOGIT."""
+def _output_layer_in_float32(layer) -> None:
+    """model.fp32_lm_head: the output layer (a ColumnParallelLinear) multiplies float32 copies of its
+    input and of the weight it is given (the embedding's, when tied) or holds, so the logits carry no
+    bf16 rounding. Everything else is Megatron's own forward: the sequence-parallel all-gather (of
+    float32 hidden states), the vocabulary-parallel output, the forward hooks (the padded-vocab mask).
+    Gradients flow back through the casts to the bf16 hidden states and parameter; the fused
+    weight-gradient accumulation is off for this layer (it writes into the parameter's main_grad,
+    which the float32 copy has not; DDP's hook adds the parameter's gradient to main_grad instead)."""
+    forward = layer.forward
+    layer.gradient_accumulation_fusion = False
+
+    def float32_forward(input_, weight=None, runtime_gather_output=None):
+        weight = layer.weight if weight is None else weight  # (None: Megatron's forward names the problem)
+        return forward(input_.float(), weight=None if weight is None else weight.float(),
+                       runtime_gather_output=runtime_gather_output)
+
+    layer.forward = float32_forward
+
+
+def _padded_vocab_mask_hook(sampled_vocab: int, padded_vocab: int, tp_rank: int) -> Callable:
+    """Forward hook of the output layer: the columns from `sampled_vocab` on (Megatron's padding,
+    and a checkpoint's own padding beyond its tokenizer: ModelConfig.token_vocab_size) get
+    PADDED_VOCAB_LOGIT, in whichever TP rank's vocabulary shard they fall."""
 
     def hook(module, args, output):
         logits, bias = output
         width = logits.shape[-1]
         first_id = 0 if width == padded_vocab else tp_rank * width  # TP-gathered or vocab-parallel
-        real_columns = vocab_size - first_id
+        real_columns = sampled_vocab - first_id
         if real_columns >= width:
             return output
         is_padding = torch.arange(width, device=logits.device) >= real_columns
@@ -272,3 +436,15 @@ def _seed_megatron_rng(seed: int, groups: ParallelGroups) -> None:
     if _MODEL_PARALLEL_RNG_TRACKER_NAME not in tensor_parallel.get_cuda_rng_tracker().get_states():
         tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
 
+
+class _GPTModelDeprecationFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "GPTModel IS DEPRECATED" not in record.getMessage()
+
+
+def _drop_gptmodel_deprecation() -> None:
+    """Filter megatron-core 0.19's per-build "GPTModel IS DEPRECATED" warning (module docstring),
+    and nothing else its logger says; once per process."""
+    logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    if not any(isinstance(f, _GPTModelDeprecationFilter) for f in logger.filters):
+        logger.addFilter(_GPTModelDeprecationFilter())

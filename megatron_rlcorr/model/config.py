@@ -20,6 +20,16 @@ from .architecture import DecoderShape, check_positive_ints
 Fp8Format = Literal["e4m3", "hybrid"]
 Fp8RecipeName = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
 ParamsDtype = Literal["float32", "bfloat16"]
+# Megatron-LM's --transformer-impl: Transformer Engine's layers, or Megatron-Core's own (torch) ones.
+TransformerImpl = Literal["transformer_engine", "local"]
+
+# What every rank's token count must be a multiple of under Transformer Engine's FP8 recipes: its
+# FP8 GEMMs need the token (inner, for the weight gradient) dimension to be a multiple of 16;
+# MXFP8 scales blocks of 32; blockwise scaling all-gathers FP8 data under sequence parallelism
+# only when each rank holds whole 128-token blocks (else it warns and gathers in BF16).
+FP8_TOKEN_ALIGNMENT = 16
+MXFP8_TOKEN_ALIGNMENT = 32
+BLOCKWISE_SEQUENCE_PARALLEL_TOKEN_ALIGNMENT = 128
 
 # Logit given to Megatron's vocabulary padding: exp() of it underflows to 0 next to any real
 # logit, and it stays finite (also after dividing by a sampling temperature), so log-softmax,
@@ -33,8 +43,11 @@ class Fp8Config:
 
     format: Fp8Format = "e4m3"      # e4m3: E4M3 for every FP8 tensor; hybrid: E4M3 forward, E5M2 gradients
     # Transformer Engine's scaling: delayed (per-tensor scales from an amax history), tensorwise (per-tensor,
-    # current), blockwise (per-block scales), mxfp8 (one scale per 32 elements; Blackwell GPUs); a
-    # Megatron-Core without TransformerConfig.fp8_recipe runs delayed only.
+    # current), blockwise (per-block scales; compute capability 9.0+ and CUDA >= 12.9), mxfp8 (one scale per
+    # 32 elements; compute capability 10.x, Blackwell). delayed and tensorwise need compute capability 8.9+.
+    # A recipe this machine's GPU cannot run is refused at recipe load by train, score and export (`plan`,
+    # which needs no GPU, plans it).
+    # A Megatron-Core without TransformerConfig.fp8_recipe runs delayed only.
     recipe: Fp8RecipeName = "delayed"
 
     def __post_init__(self) -> None:
@@ -106,11 +119,33 @@ class ModelConfig:
     init_method_std: float = 0.02
     params_dtype: ParamsDtype | None = None  # None: "bfloat16" with bf16, else "float32"
     bf16: bool = False                   # bfloat16 weights and compute (float32 master weights); false: float32
+    # With bf16: the output layer (each rank's vocabulary shard) in float32 from the bf16 hidden states, in the
+    # trainer and the embedded engine, so log-probs carry no bf16 rounding of the logits (a mismatch lever:
+    # docs/troubleshooting.md); costs float32 copies of the weight shard, hidden states and logits (and
+    # their gradients). Without bf16 the output layer is float32 already.
+    fp32_lm_head: bool = False
     fp8: Fp8Config | None = None
+    # Which layers the model is built from: transformer_engine (Transformer Engine's fused layers; BF16,
+    # FP8, sequence parallelism) or local (Megatron-Core's torch layers: the CPU path; no FP8, no sequence
+    # parallelism, attention materialises an L x L score matrix per head). None: transformer_engine where
+    # CUDA is available, local without it.
+    transformer_impl: TransformerImpl | None = None
     recompute: RecomputeSettings | None = None  # activation recomputation; None: keep every activation
+    # While the rollout engine generates, keep the trainer's weights (DDP's parameter buffers) in host memory
+    # (pinned on CUDA), copied back before the trainer's next pass (verl's param_offload; training/offload.py)
+    offload_params: bool = False
+    # While the rollout engine generates, free the trainer's gradient buffers (their contents are not needed
+    # between steps: every mini-batch starts from zero) (verl's grad_offload; training/offload.py)
+    offload_grads: bool = False
     # Megatron pads the vocabulary to a multiple of this times the TP size (GEMM efficiency);
     # the padding never gets probability (PADDED_VOCAB_LOGIT).
     make_vocab_size_divisible_by: int = 128
+    # Rows of the vocabulary that can get probability: the tokenizer's size where the checkpoint pads
+    # its vocabulary beyond it (Qwen2.5: 151,665 of 152,064). Rows from it on get PADDED_VOCAB_LOGIT in
+    # every trainer log-prob and are never sampled by either rollout engine. None: the recipe sets it
+    # from the tokenizer (data.tokenizer, else model.hf_checkpoint's, else the built-in task's); a value
+    # given must equal that tokenizer's size; without a tokenizer, every row of vocab_size.
+    token_vocab_size: int | None = None
     # A Hugging Face checkpoint directory: architecture from its config.json, initial weights from
     # its safetensors (instead of the seeded initialisation).
     hf_checkpoint: str | None = None
@@ -129,15 +164,23 @@ class ModelConfig:
             object.__setattr__(self, "recompute", from_mapping(RecomputeSettings, self.recompute, "recompute"))
         self.decoder_shape  # noqa: B018 - validates the architecture fields
         check_positive_ints(self, ("max_position_embeddings", "make_vocab_size_divisible_by"))
+        if self.token_vocab_size is not None and not 1 <= self.token_vocab_size <= self.vocab_size:
+            raise ValueError(f"token_vocab_size={self.token_vocab_size} must be in [1, vocab_size={self.vocab_size}]: "
+                             "the tokenizer's ids must be rows of the model (or leave it unset)")
         if not self.init_method_std > 0:
             raise ValueError(f"init_method_std must be > 0, got {self.init_method_std!r}")
         check_choice("params_dtype", self.params_dtype, ParamsDtype)
+        if self.transformer_impl is not None:
+            check_choice("transformer_impl", self.transformer_impl, TransformerImpl)
         if self.params_dtype != ("bfloat16" if self.bf16 else "float32"):
             raise ValueError(f"params_dtype={self.params_dtype!r} does not match bf16={self.bf16}: use "
                              "params_dtype: bfloat16 with bf16: true, or float32 with bf16: false, or leave "
                              "params_dtype unset (the optimizer keeps float32 master weights either way)")
         if self.fp8 is not None and not self.bf16:
             raise ValueError("fp8 needs bf16: true (FP8 GEMMs run inside a BF16 model)")
+        if self.fp8 is not None and self.transformer_impl == "local":
+            raise ValueError("fp8 needs transformer_impl: transformer_engine (Megatron-Core's local layers have no "
+                             "FP8 GEMMs): remove fp8, or set transformer_impl: transformer_engine (or leave it unset)")
 
     @property
     def decoder_shape(self) -> DecoderShape:
@@ -145,15 +188,17 @@ class ModelConfig:
         return DecoderShape(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecoderShape)})
 
     @property
+    def sampled_vocab_size(self) -> int:
+        """The rows that can get probability: token_vocab_size, else every row of vocab_size."""
+        return self.token_vocab_size or self.vocab_size
+
+    @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
-    @property
-    def token_alignment(self) -> int:
-        """What each rank's token count must be a multiple of: 16 for FP8 GEMMs, 32 for MXFP8."""
-        if self.fp8 is None:
-            return 1
-        return 32 if self.fp8.recipe == "mxfp8" else 16
+    def token_alignment(self, *, sequence_parallel: bool = False) -> int:
+        """What each rank's token count must be a multiple of (fp8_token_alignment)."""
+        return fp8_token_alignment(None if self.fp8 is None else self.fp8.recipe, sequence_parallel=sequence_parallel)
 
     @property
     def torch_params_dtype(self) -> torch.dtype:
@@ -180,6 +225,19 @@ class ModelConfig:
 
             mapping = merge_architecture(mapping, str(checkpoint))
         return from_mapping(cls, mapping, "model")
+
+
+def fp8_token_alignment(recipe: str | None, *, sequence_parallel: bool) -> int:
+    """What each rank's token count must be a multiple of under the FP8 `recipe` (None: no FP8, 1):
+    16 for Transformer Engine's FP8 GEMMs, 32 for MXFP8's blocks, 128 for blockwise scaling with
+    sequence parallelism (its FP8 all-gather of whole 128-token blocks)."""
+    if recipe is None:
+        return 1
+    if recipe == "mxfp8":
+        return MXFP8_TOKEN_ALIGNMENT
+    if recipe == "blockwise" and sequence_parallel:
+        return BLOCKWISE_SEQUENCE_PARALLEL_TOKEN_ALIGNMENT
+    return FP8_TOKEN_ALIGNMENT
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:

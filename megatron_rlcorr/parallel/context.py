@@ -20,11 +20,6 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-# Transformer Engine's FP8 GEMMs need the token dimension of every rank's input to be a
-# multiple of 16 (MXFP8's 32-element scaling blocks: 32).
-FP8_TOKEN_ALIGNMENT = 16
-MXFP8_TOKEN_ALIGNMENT = 32
-
 
 # ---- padded [b, s, ...] batches ----
 
@@ -87,9 +82,10 @@ def cp_pad_multiple(cp_size: int, *, tp_size: int = 1, sequence_parallel: bool =
     """The multiple every sequence is padded to (each packed sequence, or a padded batch's width).
 
     The zigzag split needs 2*cp equal chunks. A sequence's tokens are spread over cp ranks, and
-    with sequence parallelism over cp*tp ranks; `token_alignment` (16 for FP8, 32 for MXFP8,
-    1 otherwise) is what each rank's token count must be a multiple of, which holds when each
-    sequence's share per rank is.
+    with sequence parallelism over cp*tp ranks; `token_alignment` (model.config.fp8_token_alignment:
+    16 for FP8, 32 for MXFP8, 128 for blockwise FP8 with sequence parallelism, 1 without FP8) is
+    what each rank's token count must be a multiple of, which holds when each sequence's share per
+    rank is.
     """
     _check_positive("cp_size", cp_size)
     _check_positive("tp_size", tp_size)

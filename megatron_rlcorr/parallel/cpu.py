@@ -188,12 +188,14 @@ def _use_torch_optimizer_kernels() -> None:
     set_states = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        if "step" not in tensors:
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            step = self.optimizer.state[main_param].get("step")
-            if step is not None:
-                tensors = {**tensors, "step": step}  # copied onto itself
+        # The step is the one load_state_dict just set from the checkpoint's param_groups: the
+        # fully_reshardable format carries no per-parameter step, and dp_reshardable's is the
+        # loading optimizer's own (a non-persistent 0 from before the load), which would undo it.
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        step = self.optimizer.state[main_param].get("step")
+        if step is not None:
+            tensors = {**tensors, "step": step}  # copied onto itself
         return set_states(self, model_param, tensors)
 
     distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states

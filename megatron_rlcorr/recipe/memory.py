@@ -23,23 +23,30 @@ Conventions: bytes everywhere (GiB = 2**30 only in `MemoryEstimate.gib`); a "ran
   already recomputes the scores. Full recomputation keeps each chunk's input (2h) and one chunk
   live in its backward. The first stage holds `pp` micro-batches in flight under 1F1B, times
   1 + (pp - 1) / (pp * vpp) when interleaved.
-- logits: the last stage's log-prob computation, bf16 logits plus float32 working copies, about
-  10 bytes per token per vocabulary entry of its TP shard.
+- logits: the last stage's log-prob computation per token and vocabulary entry of its TP shard:
+  the logits and their gradient (2 bytes each in bf16; 4 with `model.fp32_lm_head` or a float32
+  model) plus the chunked log-prob's two float32 chunks of 1/16 of the tokens (0.5 bytes;
+  training/logprobs.py); `fp32_lm_head` adds a float32 copy of the output weight and its
+  gradient (8 bytes per output-layer parameter).
 - rollout: vLLM's `gpu_memory_utilization` share while it generates, nothing while it sleeps
   (levels 1 and 2) or the same share when it stays resident (level 0); the embedded engine keeps
   a full copy of the model in its weight dtype all the time, K + 1 copies under
   rollout.policy_lag K.
-- total: the states plus the larger of the two phases: training (activations + logits + the
-  engine's resident memory) and generation (the engine's share; the trainer's activations are
-  freed and its cache emptied before the engine wakes). A layout fits when the total leaves
-  HEADROOM of the GPU free.
+- total: the larger of the two phases: training (the states + activations + logits + the
+  engine's resident memory) and generation (the states the trainer keeps on the GPU + the
+  engine's share; the trainer's activations are freed and its cache emptied before the engine
+  wakes). Trainer offload (training/offload.py) takes states off the GPU while the engine
+  generates: `model.offload_params` the weights, `model.offload_grads` the gradients,
+  `optim.offload_optimizer` the optimizer state; with all three the generation phase holds the
+  engine's share and nothing of training. A layout fits when the total leaves HEADROOM of the
+  GPU free.
 FP8 training is estimated as BF16: Transformer Engine's FP8 weight copies add about a byte per
 parameter, and its FP8 copies of GEMM inputs save some activation memory.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..model.config import ModelConfig, pad_vocab_size
@@ -54,7 +61,7 @@ GiB = 2**30
 # the estimate's own error. A layout fits when its total is at most the rest.
 HEADROOM = 0.10
 GRAD_BYTES = 4                 # fp32 main gradients
-LOGIT_BYTES_PER_ENTRY = 10     # bf16 logits + float32 working copies in the log-prob computation
+CHUNK_BYTES_PER_ENTRY = 0.5   # two float32 chunks of 1/16 of the tokens (training/logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -96,11 +103,25 @@ class MemoryEstimate:
     rollout_resident: float   # what the engine keeps while the trainer trains
     total: float
     stage: int = 0            # the pipeline stage these are of
+    offloaded: float = 0.0    # of weights + gradients + optimizer: what trainer offload moves off during generation
+
+    @property
+    def training_phase(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.rollout_resident
+
+    @property
+    def generation_phase(self) -> float:
+        return self.weights + self.gradients + self.optimizer - self.offloaded + self.rollout
 
     def gib(self) -> dict[str, float]:
         fields = asdict(self)
-        fields.pop("rollout_resident"), fields.pop("stage")
+        fields.pop("rollout_resident"), fields.pop("stage"), fields.pop("offloaded")
         return {name: round(value / GiB, 2) for name, value in fields.items()}
+
+    def phases_gib(self) -> dict[str, float]:
+        """The two phases' totals and what offload moves off the GPU for generation."""
+        return {name: round(value / GiB, 2) for name, value in (
+            ("training", self.training_phase), ("generation", self.generation_phase), ("offloaded", self.offloaded))}
 
 
 def usable_bytes(gpu_memory_gib: float) -> float:
@@ -165,6 +186,11 @@ def state_bytes_per_parameter(model: ModelConfig, optim: OptimSettings, dp_cp: i
 
 def estimate_memory(recipe: Recipe, world_size: int, gpu_memory_bytes: float) -> MemoryEstimate:
     """The memory of the most-loaded stage's GPUs (module docstring)."""
+    return max(stage_estimates(recipe, world_size, gpu_memory_bytes), key=lambda m: m.total)
+
+
+def stage_estimates(recipe: Recipe, world_size: int, gpu_memory_bytes: float) -> list[MemoryEstimate]:
+    """The memory of each pipeline stage's GPUs (module docstring)."""
     model, parallel = recipe.model, recipe.parallel
     counts = parameter_counts(model, parallel)
     dp_cp = parallel.data_parallel_size(world_size) * parallel.cp
@@ -173,18 +199,35 @@ def estimate_memory(recipe: Recipe, world_size: int, gpu_memory_bytes: float) ->
     layers = model.num_layers // parallel.pp
     activations = tokens * activation_bytes_per_token(model, parallel, layers)
     first_stage = activations * in_flight_micro_batches(parallel)
-    logits = LOGIT_BYTES_PER_ENTRY * tokens * counts.padded_vocab_size / parallel.tp
+    logits = logit_bytes(model, tokens, counts.padded_vocab_size / parallel.tp)
     generating, resident = _rollout_bytes(recipe, counts.total, gpu_memory_bytes)
     candidates = []
     for index, params in enumerate(counts.per_stage):  # the first stage has the activations, the last the logits
         act = first_stage if index == 0 else activations * max(1.0, in_flight_micro_batches(parallel) - index)
         lgt = logits if index == parallel.pp - 1 else 0.0
-        states = params * (param_bytes + GRAD_BYTES + optimizer_bytes)
-        total = states + max(act + lgt + resident, generating)
-        candidates.append(MemoryEstimate(weights=params * param_bytes, gradients=params * GRAD_BYTES,
-                                         optimizer=params * optimizer_bytes, activations=act, logits=lgt,
-                                         rollout=generating, rollout_resident=resident, total=total, stage=index))
-    return max(candidates, key=lambda m: m.total)
+        estimate = MemoryEstimate(weights=params * param_bytes, gradients=params * GRAD_BYTES,
+                                  optimizer=params * optimizer_bytes, activations=act, logits=lgt, rollout=generating,
+                                  rollout_resident=resident, total=0.0, stage=index,
+                                  offloaded=params * offloaded_bytes_per_parameter(recipe, param_bytes,
+                                                                                   optimizer_bytes))
+        candidates.append(replace(estimate, total=max(estimate.training_phase, estimate.generation_phase)))
+    return candidates
+
+
+def logit_bytes(model: ModelConfig, tokens: int, vocab_per_rank: float) -> float:
+    """The last stage's log-prob computation: logits, their gradient, the float32 chunks, and with
+    fp32_lm_head the output weight's float32 copy and its gradient (module docstring)."""
+    float32_logits = model.fp32_lm_head or not model.bf16
+    per_entry = 2 * (4 if float32_logits else 2) + CHUNK_BYTES_PER_ENTRY
+    weight_copy = 8 * vocab_per_rank * model.hidden_size if model.fp32_lm_head else 0.0
+    return per_entry * tokens * vocab_per_rank + weight_copy
+
+
+def offloaded_bytes_per_parameter(recipe: Recipe, param_bytes: int, optimizer_bytes: float) -> float:
+    """Bytes per parameter of a rank that trainer offload moves off the GPU while the engine generates."""
+    model, optim = recipe.model, recipe.optim
+    return ((param_bytes if model.offload_params else 0) + (GRAD_BYTES if model.offload_grads else 0)
+            + (optimizer_bytes if optim.offload_optimizer else 0))
 
 
 def _rollout_bytes(recipe: Recipe, total_params: int, gpu_memory_bytes: float) -> tuple[float, float]:

@@ -8,13 +8,14 @@ parallel layout that does not fit the launch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..config import RolloutCorrectionConfig, did_you_mean
-from ..data.tasks import DataSettings, build_task
+from ..data.tasks import DataSettings, build_task, get_task
 from ..model.config import ModelConfig
 from ..parallel.layout import ParallelSettings
 from ..rl.settings import AlgorithmSettings, TrainerSettings
@@ -52,7 +53,7 @@ class Recipe:
 
         here=False (`plan`, on a laptop for a cluster) checks what does not depend on this machine
         only: the layout, batch sizes, sequence lengths and rollout settings, but not the checkpoint
-        and data files, Transformer Engine or the rollout engine's installation."""
+        and data files, Transformer Engine, the GPU's FP8 support or the rollout engine's installation."""
         dp = self.check_model_layout(world_size, here=here)
         if here:
             self._check_checkpoint()
@@ -104,7 +105,7 @@ class Recipe:
 
         p = self.parallel
         multiple = cp_pad_multiple(p.cp, tp_size=p.tp, sequence_parallel=p.sequence_parallel,
-                                   token_alignment=self.model.token_alignment)
+                                   token_alignment=self.model.token_alignment(sequence_parallel=p.sequence_parallel))
         longest = -(-(prompt + self.rollout.max_new_tokens) // multiple) * multiple // p.cp
         if budget < longest:
             raise ValueError(f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sequence: "
@@ -142,7 +143,8 @@ class Recipe:
     def check_model_layout(self, world_size: int, *, here: bool = True) -> int:
         """Validate the model's parallel layout against the launch (what building the model needs,
         e.g. for `score` and `export`); returns the data-parallel size. here=False: not whether
-        this machine has what the layout needs (Transformer Engine for sequence parallelism)."""
+        this machine has what the model needs (model.build.check_layers_here: Transformer Engine where
+        the layers or sequence parallelism need it, a GPU that runs the FP8 recipe)."""
         heads, groups, layers = self.model.num_attention_heads, self.model.num_query_groups, self.model.num_layers
         tp, pp, cp, vpp = self.parallel.tp, self.parallel.pp, self.parallel.cp, self.parallel.vpp or 1
         if heads % tp or groups % tp:
@@ -158,11 +160,10 @@ class Recipe:
                              f"{tp * pp * cp}; launch a multiple of {tp * pp * cp} processes, or use parallel.pp in "
                              f"{_some(pps)} (or change parallel.tp/cp)")
         dp = self.parallel.data_parallel_size(world_size)
-        if self.parallel.sequence_parallel and here:
-            from ..model.build import SEQUENCE_PARALLEL_NEEDS_TE, use_transformer_engine
+        if here:  # the layers this machine builds: Transformer Engine's where needed, FP8 its GPU runs
+            from ..model.build import check_layers_here
 
-            if not use_transformer_engine():
-                raise ValueError(SEQUENCE_PARALLEL_NEEDS_TE)
+            check_layers_here(self.model, sequence_parallel=self.parallel.sequence_parallel)
         return dp
 
     def _check_samples(self) -> None:
@@ -191,6 +192,11 @@ class Recipe:
                              f"({task.tokenizer.vocab_size} tokens): token ids would fall outside the model; use a "
                              f"model whose vocabulary covers the tokenizer (model.vocab_size >= "
                              f"{task.tokenizer.vocab_size})")
+        rows = self.model.token_vocab_size
+        if rows is not None and rows < task.tokenizer.vocab_size:
+            raise ValueError(f"model.token_vocab_size={rows} is smaller than the vocabulary of the task's tokenizer "
+                             f"({task.tokenizer.vocab_size} tokens): its ids from {rows} on could never be sampled; "
+                             "leave model.token_vocab_size unset (the recipe takes it from the tokenizer)")
 
 
 def divisors(n: int) -> list[int]:
@@ -223,17 +229,57 @@ def parse_recipe(tree: Mapping[str, Any]) -> Recipe:
         raise ValueError(f"algorithm.rollout_correction: {err}") from None
     algo = from_mapping(AlgorithmSettings, algorithm, "algorithm")
     algo = AlgorithmSettings(**{**algo.__dict__, "loss": loss, "rollout_correction": correction})
+    data = from_mapping(DataSettings, tree.get("data"), "data")
     return Recipe(
         name=str(tree.get("name") or "run"),
-        model=ModelConfig.from_dict(tree.get("model")),
+        model=with_token_vocab(ModelConfig.from_dict(tree.get("model")), data),
         parallel=from_mapping(ParallelSettings, tree.get("parallel"), "parallel"),
         rollout=from_mapping(RolloutConfig, tree.get("rollout"), "rollout"),
-        data=from_mapping(DataSettings, tree.get("data"), "data"),
+        data=data,
         algorithm=algo,
         optim=from_mapping(OptimSettings, tree.get("optim"), "optim"),
         trainer=from_mapping(TrainerSettings, tree.get("trainer"), "trainer"),
         raw=dict(tree),
     )
+
+
+def with_token_vocab(model: ModelConfig, data: DataSettings) -> ModelConfig:
+    """`model` with token_vocab_size, the rows that can get probability, set from the run's tokenizer.
+
+    Decided here, once, for every consumer: the trainer's output-layer mask (pi_old, the update, the
+    reference policy, `score`) and both rollout engines. The tokenizer is data.tokenizer, else the
+    one in model.hf_checkpoint, else (a model without a checkpoint) the built-in task's. Where there is
+    none to read (a checkpoint without tokenizer files, a file not on disk yet: `plan`), the model is
+    returned as it is; a tokenizer larger than the model is left to the launch checks (_check_task).
+    """
+    found = _tokenizer_vocab(model, data)
+    if found is None:
+        return model
+    size, what = found
+    if size > model.vocab_size:
+        return model
+    if model.token_vocab_size is not None and model.token_vocab_size != size:
+        raise ValueError(f"model.token_vocab_size={model.token_vocab_size} but {what} has {size} tokens: leave "
+                         f"model.token_vocab_size unset (the recipe takes it from the tokenizer) or set it to {size}")
+    return dataclasses.replace(model, token_vocab_size=size)
+
+
+def _tokenizer_vocab(model: ModelConfig, data: DataSettings) -> tuple[int, str] | None:
+    """(size, description) of the run's tokenizer (with_token_vocab), or None where none can be read."""
+    directory = data.tokenizer or model.hf_checkpoint
+    if directory is not None:
+        from ..data.hf_tokenizer import REQUIRED_ANY, HFTokenizer
+
+        if not any((Path(directory) / name).is_file() for name in REQUIRED_ANY):
+            return None
+        return HFTokenizer(directory).vocab_size, f"the tokenizer in {directory}"
+    if data.train_files:
+        return None  # build_task reports the missing tokenizer
+    name = data.task or "digit_sum"
+    try:
+        return get_task(name, **data.task_args).tokenizer.vocab_size, f"task {name!r}'s tokenizer"
+    except ValueError:
+        return None  # reported by the launch checks (_check_task), with the fix
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:

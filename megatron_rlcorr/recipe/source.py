@@ -35,7 +35,9 @@ from .tree import apply_overrides, read_tree
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
 
-_ARCHITECTURE_KEYS = {f.name for f in dataclasses.fields(DecoderShape)} | {"max_position_embeddings"}
+# The keys that describe one checkpoint (its tokenizer's rows too): never lent to another model.
+_ARCHITECTURE_KEYS = ({f.name for f in dataclasses.fields(DecoderShape)}
+                      | {"max_position_embeddings", "token_vocab_size"})
 _SRC_KINDS = ("a Hugging Face checkpoint directory (with config.json), a run directory (runs/<name>, "
               "with checkpoints/) or one of its checkpoints (runs/<name>/checkpoints/step_N)")
 

@@ -359,6 +359,9 @@ _DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     _A + "megatron.pipeline_model_parallel_size": ("parallel.pp", _pos_int),
     _A + "megatron.context_parallel_size": ("parallel.cp", _pos_int),
     _A + "megatron.virtual_pipeline_model_parallel_size": ("parallel.vpp", _pos_int),
+    _A + "megatron.param_offload": ("model.offload_params", _bool),
+    _A + "megatron.grad_offload": ("model.offload_grads", _bool),
+    _A + "megatron.optimizer_offload": ("optim.offload_optimizer", _bool),
     _R + "temperature": ("rollout.temperature", _float),
     _R + "top_p": ("rollout.top_p", _float),
     "data.max_response_length": ("rollout.max_new_tokens", _pos_int),
@@ -399,7 +402,7 @@ _DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 # Recipe keys in the order the YAML lists them; the rollout correction block keeps the script's order.
 _ORDER = (
-    "name", "model.hf_checkpoint", "model.bf16", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.vpp",
+    "name", "model.hf_checkpoint", "model.bf16", "model.offload_params", "model.offload_grads", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.vpp",
     "rollout.engine", "rollout.precision", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
     "rollout.n", "data.train_files", "data.prompt_key", "data.answer_key", "data.max_prompt_length",
     "data.prompts_per_step", "data.shuffle", "data.tokenizer", "data.reward", "data.on_long_prompt",
@@ -413,7 +416,8 @@ _ORDER = (
     "algorithm.loss.loss_type", "algorithm.loss.clip_ratio", "algorithm.loss.clip_ratio_low",
     "algorithm.loss.clip_ratio_high", "algorithm.loss.clip_ratio_c", "algorithm.loss.loss_agg_mode",
     "algorithm.loss.loss_scale_factor", "algorithm.loss.entropy_coeff", _RC, "optim.lr", "optim.min_lr",
-    "optim.warmup_steps", "optim.decay_style", "optim.weight_decay", "optim.clip_grad", "trainer.steps",
+    "optim.warmup_steps", "optim.decay_style", "optim.weight_decay", "optim.clip_grad", "optim.offload_optimizer",
+    "trainer.steps",
     "trainer.mini_batch_prompts", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",
     "trainer.ppo_epochs", "trainer.seed", "trainer.save_every",
 )
@@ -447,7 +451,8 @@ _UNMAPPED: tuple[tuple[str, str], ...] = (
     (r"^trainer\.(default_local_dir|default_hdfs_dir|resume_mode|resume_from_path|max_actor_ckpt_to_keep|"
      r"max_critic_ckpt_to_keep|del_local_ckpt_after_load)$|\.checkpoint\.",
      "checkpoints go to runs/<name>/checkpoints and a relaunch resumes from the latest (trainer.resume)"),
-    (r"megatron\.(param_offload|grad_offload|optimizer_offload)$", "actor offloading is not supported"),
+    (r"ref\.megatron\.(grad_offload|optimizer_offload)$", "the reference has no gradients or optimizer state (its "
+                                                           "weights: algorithm.reference.offload)"),
     (r"megatron\.(expert_model_parallel_size|expert_tensor_parallel_size)$", "MoE models are not supported"),
     (r"megatron\.sequence_parallel$", "set parallel.sequence_parallel: true yourself when tp > 1 and Transformer "
                                      "Engine is installed (off by default here)"),

@@ -48,6 +48,10 @@ class TrainerSettings:
     save_hf_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the weights' dtype in the save_hf checkpoint
     timeout_minutes: int = 60      # every process group's collective timeout (long generations wait)
     async_save: bool = False       # write checkpoints from a background process while training goes on
+    # The distributed optimizer's checkpoint format (Megatron's names): dp_reshardable, each rank writes its
+    # own shard (resumes on the same tp/pp/cp/vpp, any DP size); fully_reshardable, gathered over DP, resumes
+    # on any layout but every rank briefly holds its model-parallel slice's fp32 optimizer state (12 B/param)
+    optimizer_checkpoint_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     dump_every: int = 0            # > 0: write every K-th step's rollouts to <run_dir>/dumps/ (rl/dumps.py)
     dump_max_samples: int = 1024   # sequences per dump at most
 

@@ -6,7 +6,9 @@ One step:
    `rollout.n` responses per prompt and scores them with the overlong penalty; DAPO dynamic
    sampling (sampling.py) then picks the step's batch from every engine's statistics, and each
    data-parallel (DP) replica receives the samples of its share, computes GRPO/RLOO advantages
-   and builds its padded batch (batch.py). The engines then sleep (vLLM frees its memory).
+   and builds its padded batch (batch.py). The engines then sleep (vLLM frees its memory). With
+   trainer offload (training/offload.py) the trainer's states leave the GPU before generation and
+   come back once the engines sleep.
 2. Decoupled mode: pi_old log-probs by a forward pass before any update (bypass mode skips it).
 3. `ppo_epochs` passes over the batch in mini-batches, one optimizer step each.
 4. The updated weights are streamed (model/weight_stream.py) into every rank's engine.
@@ -39,10 +41,12 @@ from ..parallel.layout import ParallelSettings
 from ..rollout import RolloutConfig, make_engine
 from ..rollout.base import engine_max_model_len
 from ..training import checkpoint
+from ..training.offload import TrainerOffload
 from ..training.optimizer import OptimSettings, build_model_and_optimizer, sync_params
 from ..training.reference import ReferencePolicy
 from ..training.step import (StepBatch, StepConfig, StepCorrection, StepResult, broadcast_from_last_stage,
-                             compute_old_log_probs, step_correction, train_minibatch)
+                             compute_old_log_probs, compute_old_log_probs_and_entropy, old_pass_entropy,
+                             step_correction, train_minibatch)
 from .advantages import group_advantages
 from .batch import batch_to, build_step_batch, slice_batch
 from .dumps import dump_records, gather_and_write
@@ -92,6 +96,11 @@ class Trainer:
         trainer = recipe.trainer
         self.model, self.optimizer, self.scheduler = build_model_and_optimizer(
             recipe.model, recipe.optim, groups, seed=trainer.seed, total_steps=trainer.steps)
+        # model.offload_params / offload_grads, optim.offload_optimizer: the trainer's states leave the GPU
+        # while the colocated engine generates (training/offload.py).
+        self.offload = TrainerOffload(self.model, self.optimizer, params=recipe.model.offload_params,
+                                      grads=recipe.model.offload_grads,
+                                      optimizer_states=recipe.optim.offload_optimizer, device=self.device)
         algo = recipe.algorithm
         self.step_cfg = StepConfig(loss=algo.loss, correction=algo.rollout_correction,
                                    micro_batch_size=trainer.micro_batch_size,
@@ -101,7 +110,8 @@ class Trainer:
         self.reference = (ReferencePolicy(recipe.model, groups, seed=trainer.seed, settings=algo.reference)
                           if algo.uses_reference else None)
         self.kl_controller = KLController(algo.kl_in_reward) if algo.kl_in_reward.enabled else None
-        self.writer = checkpoint.CheckpointWriter(async_save=trainer.async_save)
+        self.writer = checkpoint.CheckpointWriter(async_save=trainer.async_save,
+                                                  optimizer_format=trainer.optimizer_checkpoint_format)
         if groups.rollout_group_size != recipe.rollout.tensor_parallel_size:
             raise ValueError(f"the process groups were built for rollout groups of {groups.rollout_group_size} ranks "
                              f"but rollout.tensor_parallel_size={recipe.rollout.tensor_parallel_size}: build them with "
@@ -110,7 +120,7 @@ class Trainer:
         max_model_len = engine_max_model_len(recipe.rollout, recipe.data.max_prompt_length,
                                              recipe.model.max_position_embeddings)
         self.engine = make_engine(recipe.rollout, recipe.model, eos_token_id=tok.eos_ids, pad_token_id=tok.pad_id,
-                                  device=self.device, token_vocab_size=tok.vocab_size, max_model_len=max_model_len,
+                                  device=self.device, max_model_len=max_model_len,
                                   seed=trainer.seed)
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -173,17 +183,18 @@ class Trainer:
         """pi_old and the reference's log-probs (forward-only passes), and the decoupled rollout
         correction over the whole step batch; on the last pipeline stage (None elsewhere)."""
         cfg = self.step_cfg
-        old = ref = correction = None
+        old = ref = correction = entropy = None
         metrics: dict[str, torch.Tensor] = {}
-        if cfg.correction.needs_old_log_prob_pass:
-            old = compute_old_log_probs(self.model, batch, groups=self.groups, micro_batch_size=cfg.micro_batch_size,
-                                        temperature=cfg.temperature,
-                                        max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
+        if cfg.correction.needs_old_log_prob_pass:  # (bypass mode: actor/entropy from the update, with entropy_coeff)
+            old, entropy = compute_old_log_probs_and_entropy(
+                self.model, batch, groups=self.groups, micro_batch_size=cfg.micro_batch_size,
+                temperature=cfg.temperature, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         if self.reference is not None:
             ref = self.reference.log_probs(batch, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
                                            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         if old is not None:
             correction, metrics = step_correction(old, batch, cfg.correction, self.groups)
+            metrics = {**metrics, "actor/entropy": old_pass_entropy(entropy, batch, cfg, self.groups)}
         return old, ref, correction, dict(metrics)
 
     def _dump(self, step: int, share: RolloutGroups, batch: StepBatch, old_log_probs: torch.Tensor | None,
@@ -232,8 +243,12 @@ class Trainer:
                  ) -> tuple[StepBatch, torch.Tensor, dict[str, torch.Tensor], RolloutGroups]:
         """This DP replica's StepBatch and per-sequence rewards (identical on its TP/CP/PP ranks),
         the rollout statistics of the step's whole batch, and the replica's share of the rollouts."""
+        if self.offload.enabled:  # the trainer's states leave before the engine's KV cache comes back
+            self.offload.offload()
+            self.engine.wake_up(["kv_cache"])
         batch, first, stats, dropped, generated_tokens = self.sample_step(step, step_prompts)
         self.engine.sleep()  # the trainer needs the memory now
+        self.offload.reload()
         share = share_of_replica(batch, self.groups, device=self.device)
         algo = self.recipe.algorithm
         advantages_B = group_advantages(share.rewards_GN, algo.advantage_estimator, algo.norm_adv_by_std).reshape(-1)
@@ -300,7 +315,8 @@ class Trainer:
 
     def _push_weights(self) -> None:
         """Stream the weights into every rank's engine (model/weight_stream.py: collective over
-        TP and PP), waking its memory first: the weights' before loading, the KV cache's after."""
+        TP and PP), waking its memory first: the weights' before loading, the KV cache's after (with
+        trainer offload: at the next generation, once the trainer's states have left)."""
         sync_params(self.model)
         rollout = self.recipe.rollout
         buckets = weight_buckets(self.model, self.groups, dtype=rollout.weight_dtype,
@@ -309,7 +325,8 @@ class Trainer:
             torch.cuda.empty_cache()
         self.engine.wake_up(["weights"])
         self.engine.load_weights(flatten(buckets))
-        self.engine.wake_up(["kv_cache"])
+        if not self.offload.enabled:
+            self.engine.wake_up(["kv_cache"])
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
@@ -383,20 +400,27 @@ def rollout_stats(rollouts: RolloutGroups, first: RolloutGroups, stats: Sampling
                   dropped: dict[str, int], generated_tokens: int) -> dict[str, torch.Tensor]:
     """The step's rollout statistics as float64 scalars (the same on every rank): sums over round
     0's samples as generated; sums and the longest response of the trained batch without its
-    fillers, which take part in no mean; the response tokens of every generation round."""
+    fillers, which take part in no mean; the response tokens of every generation round.
+
+    Response length and truncation describe the batch's real samples; a batch of fillers only
+    (dynamic sampling found no informative group) describes its fillers, which were generated
+    too, rather than an empty mean's length 0 and truncation 1."""
     real = ~rollouts.filler_G
+    described = real if bool(real.any()) else torch.ones_like(real)
     lengths_GN = rollouts.response_lengths().reshape(-1, rollouts.n)
     eos_GN = torch.tensor([r == "eos" for r in rollouts.finish_reasons]).reshape(-1, rollouts.n)
     values = {
         "round0_score": first.scores_GN.sum(), "round0_acc": first.acc_GN.sum(), "round0_samples": first.scores_GN.numel(),
         "batch_reward": rollouts.rewards_GN[real].sum(), "batch_score": rollouts.scores_GN[real].sum(),
         "batch_acc": rollouts.acc_GN[real].sum(), "batch_samples": rollouts.scores_GN[real].numel(),
-        "response_tokens": lengths_GN[real].sum(), "eos_samples": eos_GN[real].sum(), "invalid_tokens": invalid,
+        "response_tokens": lengths_GN[real].sum(), "invalid_tokens": invalid,
+        "described_samples": lengths_GN[described].numel(), "described_tokens": lengths_GN[described].sum(),
+        "described_eos": eos_GN[described].sum(),
         "all_tokens": sum(len(p) for p in rollouts.prompt_ids()) + lengths_GN.sum(), "gen_batches": stats.gen_batches,
         "informative_fraction": stats.informative_fraction, "filler_fraction": stats.filler_fraction,
         "exhausted": stats.exhausted, "dropped_long_prompts": dropped["long"], "skipped_bad_rows": dropped["bad"],
         "generated_tokens": generated_tokens,
-        "response_length_max": lengths_GN[real].max() if real.any() else 0.0,
+        "response_length_max": lengths_GN[described].max() if described.any() else 0.0,
     }
     return {name: torch.tensor(float(value), dtype=torch.float64) for name, value in values.items()}
 
@@ -410,9 +434,10 @@ def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "reward/batch_score_mean": sums["batch_score"] / samples,
         "reward/batch_reward_mean": sums["batch_reward"] / samples,
         "reward/batch_acc_mean": sums["batch_acc"] / samples,
-        "response_length_mean": sums["response_tokens"] / samples,
+        "response_length_mean": sums["described_tokens"] / sums["described_samples"].clamp(min=1),
         "response_length_max": sums["response_length_max"],
-        "response/clip_fraction": 1 - sums["eos_samples"] / samples,  # truncated at max_new_tokens
+        # truncated at max_new_tokens
+        "response/clip_fraction": 1 - sums["described_eos"] / sums["described_samples"].clamp(min=1),
         "rollout_corr/invalid_rollout_token_fraction": sums["invalid_tokens"] / sums["response_tokens"].clamp(min=1),
         "dynamic_sampling/num_gen_batches": sums["gen_batches"],
         "dynamic_sampling/informative_fraction": sums["informative_fraction"],

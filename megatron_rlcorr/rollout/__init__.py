@@ -21,15 +21,19 @@ def make_engine(cfg: RolloutConfig, model: ModelConfig, *, eos_token_id: int | S
                 max_model_len: int | None = None, seed: int = 0) -> RolloutEngine:
     """The engine `cfg.engine` names, running `cfg.precision`; weights come later via load_weights.
 
-    vLLM also takes `model.hf_checkpoint` (its config and tokenizer), `token_vocab_size` (the
-    tokenizer's: rows of a padded vocabulary beyond it are never sampled), `max_model_len` and
+    Neither engine samples a row from `token_vocab_size` on (the tokenizer's size; by default
+    `model.token_vocab_size`, which the recipe sets and the trainer's output layer masks too).
+    vLLM also takes `model.hf_checkpoint` (its config and tokenizer), `max_model_len` and
     `seed`; its import happens here, and only for engine: vllm. `cfg.policy_lag` goes to the
     embedded engine (RolloutConfig refuses it for vLLM).
     """
+    if token_vocab_size is None:
+        token_vocab_size = model.token_vocab_size
     if cfg.engine == "embedded":
         return EmbeddedEngine(model.decoder_shape, precision=cfg.precision, eos_token_id=eos_token_id,
                               pad_token_id=pad_token_id, logprobs=cfg.logprobs, device=device,
-                              policy_lag=cfg.policy_lag)
+                              policy_lag=cfg.policy_lag, token_vocab_size=token_vocab_size,
+                              fp32_lm_head=model.fp32_lm_head)
     from .vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg, model, eos_token_id=eos_token_id, token_vocab_size=token_vocab_size,

@@ -37,6 +37,7 @@ FinishReason = Literal["eos", "length"]
 ENGINES: tuple[str, ...] = ("embedded", "vllm")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8")
 LOGPROBS_MODES: tuple[str, ...] = ("tempered", "processed")
+VLLM_MIN_TEMPERATURE = 0.01  # vLLM samples a temperature in (0, 0.01) at 0.01 (SamplingParams, with a warning only)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class RolloutConfig:
 
     engine: EngineName = "embedded"   # embedded (in-process, CPU or GPU, emulates the precision) | vllm (GPU)
     precision: Precision = "bf16"     # the engine's weights and math: fp32 | bf16 | fp8 (the mismatch source)
-    temperature: float = 1.0          # sampling temperature (0 = greedy); the trainer divides its logits by it too
+    temperature: float = 1.0          # sampling temperature (0 = greedy; vLLM: 0 or >= 0.01); the trainer divides by it too
     top_p: float = 1.0                # nucleus sampling (1 = off); with vLLM, < 1 needs logprobs: processed
     max_new_tokens: int = 16          # response length limit; longer responses end with finish_reason "length"
     n: int = 8                        # samples per prompt: the group of GRPO/RLOO advantages
@@ -75,6 +76,12 @@ class RolloutConfig:
         check_choice("logprobs", self.logprobs, LOGPROBS_MODES)
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        # vLLM only: the embedded engine samples at the configured temperature, as the trainer divides by it.
+        if self.engine == "vllm" and 0 < self.temperature < VLLM_MIN_TEMPERATURE:
+            raise ValueError(f"rollout.temperature={self.temperature}: vLLM samples any temperature below "
+                             f"{VLLM_MIN_TEMPERATURE} at {VLLM_MIN_TEMPERATURE} while the trainer divides its logits "
+                             f"by {self.temperature}, so the two log-probs would disagree; use 0 (greedy) or at least "
+                             f"{VLLM_MIN_TEMPERATURE}, or rollout.engine: embedded")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus truncation), got {self.top_p}")
         if self.max_new_tokens < 1:

@@ -12,7 +12,8 @@ Precision modes:
 - fp32: weights, activations and norms in float32.
 - bf16: weights and activations in bfloat16; RMSNorm statistics in float32 then cast to bf16
   before the weight multiply; attention via SDPA on bf16 inputs; log-probs from the bf16 logits
-  cast to float32.
+  cast to float32 (with `fp32_lm_head`, model.fp32_lm_head, the output layer runs in float32 on
+  the bf16 hidden states, as the trainer's then does).
 - fp8: like bf16, but every decoder linear weight (q, k, v, o, gate, up, down) is per-tensor
   e4m3 quantised-dequantised at load time (precision.fp8_e4m3_qdq), as an FP8 engine does
   with online weight quantisation. Embedding, norms, biases and lm_head stay bf16, and
@@ -26,6 +27,11 @@ first K steps sample with the initial weights). It keeps the K + 1 most recent s
 converted as above (precision emulation unchanged): K + 1 copies of the model in the engine's
 dtype (2 bytes a parameter in bf16 and fp8, 4 in fp32). The history is not checkpointed: a resumed
 run starts it again from its first load. K = 0 keeps one set and is the engine without lag.
+
+Vocabulary: with `token_vocab_size` (ModelConfig.token_vocab_size, the tokenizer's size where the
+checkpoint pads its vocabulary beyond it) the output layer keeps only that many rows, so the rows
+beyond the tokenizer are never sampled and take no part in any log-softmax, as in the trainer
+(whose logits there are PADDED_VOCAB_LOGIT, which add exactly 0 to its softmax sums).
 
 Sequences are left-padded into one batch; positions start at 0 at each prompt's first token.
 """
@@ -112,21 +118,26 @@ class EmbeddedEngine:
     def __init__(self, shape: DecoderShape, *, precision: Precision = "fp32",
                  eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
                  logprobs: LogprobsMode = "tempered", device: torch.device | str = "cpu",
-                 policy_lag: int = 0) -> None:
+                 policy_lag: int = 0, token_vocab_size: int | None = None, fp32_lm_head: bool = False) -> None:
         if precision not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp8', got {precision!r}")
         if logprobs not in ("tempered", "processed"):
             raise ValueError(f"logprobs must be 'tempered' or 'processed', got {logprobs!r}")
         if isinstance(policy_lag, bool) or not isinstance(policy_lag, int) or policy_lag < 0:
             raise ValueError(f"policy_lag (rollout.policy_lag) must be an integer >= 0, got {policy_lag!r}")
+        if token_vocab_size is not None and not 1 <= token_vocab_size <= shape.vocab_size:
+            raise ValueError(f"token_vocab_size={token_vocab_size} must be in [1, vocab_size={shape.vocab_size}] "
+                             "(model.token_vocab_size: the tokenizer's rows of the vocabulary)")
         self.shape = shape
         self.precision = precision
+        self.sampled_vocab_size = token_vocab_size or shape.vocab_size  # rows that can get probability
         # Several ids may end a response (Qwen's <|im_end|> and <|endoftext|>).
         self.eos_ids = tuple([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or ())
         self.pad_token_id = pad_token_id
         self.logprobs_mode = logprobs
         self.device = torch.device(device)
         self.dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        self.fp32_lm_head = fp32_lm_head  # model.fp32_lm_head: the output layer in float32
         self._inv_freq = rotary_inv_freq(shape, self.device)
         self.weights: _Weights | None = None  # in the engine's precision, q/k/v and gate/up fused
         self.policy_lag = policy_lag
@@ -164,13 +175,21 @@ class EmbeddedEngine:
                              "model.weights.neutral_weight_shapes of the engine's DecoderShape)")
         layers = [self._fuse_layer(w, f"layers.{i}.") for i in range(self.shape.num_layers)]
         self._history.append(_Weights(embed=w["embed.weight"], layers=layers, final_norm=w["final_norm.weight"],
-                                      lm_head=w["lm_head.weight"]))
+                                      lm_head=self._output_weight(self._sampled_rows(w["lm_head.weight"]))))
         self.weights = self._history[0]  # the latest for K = 0, else K loads old (or the first)
 
     @property
     def weights_age(self) -> int:
         """How many loads older than the latest the weights in use are (min(K, loads - 1))."""
         return max(len(self._history) - 1, 0)
+
+    def _sampled_rows(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """The output layer's rows that can get probability (a view: a tied head shares the embedding)."""
+        return lm_head[: self.sampled_vocab_size] if self.sampled_vocab_size < lm_head.shape[0] else lm_head
+
+    def _output_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """fp32_lm_head: a float32 copy of the (engine-precision) output weight, converted once per load."""
+        return weight.float().contiguous() if self.fp32_lm_head else weight
 
     def _convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to(self.device, torch.float32)
@@ -243,6 +262,8 @@ class EmbeddedEngine:
         return _rms_norm(x, weights.final_norm, eps)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fp32_lm_head:  # float32 logits from the engine-precision hidden states: no bf16 rounding
+            return F.linear(hidden.float(), self.weights.lm_head)
         return F.linear(hidden, self.weights.lm_head).float()
 
     def _prefill(self, tokens_BL: torch.Tensor, pads_B: torch.Tensor, cache: _KVCache) -> torch.Tensor:
@@ -327,11 +348,16 @@ class EmbeddedEngine:
     @torch.no_grad()
     def score(self, prompts: list[list[int]], responses: list[list[int]], *,
               temperature: float = 1.0) -> list[torch.Tensor]:
-        """Teacher-forced float32 log-probs (CPU) of each response token: log_softmax(logits / T), with
-        T = 0 read as 1, in the engine's precision; no sampling, no top-p."""
+        """Teacher-forced float32 log-probs (CPU) of each response token: log_softmax(logits / T) over the
+        tokenizer's rows, with T = 0 read as 1, in the engine's precision; no sampling, no top-p."""
         self._check_ready(prompts)
         if len(prompts) != len(responses):
             raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
+        beyond = [(i, t) for i, r in enumerate(responses) for t in r if not 0 <= t < self.sampled_vocab_size]
+        if beyond:
+            raise ValueError(f"score: response {beyond[0][0]} holds token {beyond[0][1]}, outside the "
+                             f"{self.sampled_vocab_size} rows that can get probability (the tokenizer's; "
+                             "model.token_vocab_size)")
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
         tokens_BL, pads_B = _left_pad(seqs, self.pad_token_id, self.device)
         width = tokens_BL.shape[1]

@@ -15,13 +15,22 @@ Colocation. `enable_sleep_mode`: after generation `sleep(level)` frees the KV ca
 level 1, moves the weights to host memory, with level 2 drops them (they are re-sent after every
 step anyway); before the next weight sync `wake_up(["weights"])`, after it `wake_up(["kv_cache"])`.
 vLLM's sleep mode needs its own CUDA allocator pool: `expandable_segments:True` in
-PYTORCH_CUDA_ALLOC_CONF is refused with sleep on.
+PYTORCH_CUDA_ALLOC_CONF is refused with sleep on. That pool serves one engine per process: a
+second `LLM` with sleep mode in the same process fails.
 
 Weights. The trainer's stream (model/weight_stream.py, Hugging Face names, bf16, also for fp8)
-goes tensor by tensor to the model runner's `load_weights` through `collective_rpc` and the
-worker extension below (in process: the tensors are not copied); then the prefix cache is
-reset, since cached KV of the old weights is stale. A sync is bracketed by `begin_weight_sync`
-and `end_weight_sync`; until one has completed (and after a level-2 sleep) the engine refuses to
+goes tensor by tensor to the model's `load_weights` through `collective_rpc` and the worker
+extension below (in process: the tensors are not copied); then the prefix cache is reset, since
+cached KV of the old weights is stale. The model is the runner's `get_model()`: a runner may hold
+it inside a CUDA-graph wrapper (the V1 runner's, which vLLM falls back to where its default V2
+runner does not apply). A sync is bracketed by `begin_weight_sync` and `end_weight_sync`, and is
+checked complete: the names `load_weights` reports loaded over the whole sync must cover the
+model's parameters (those a checkpoint carries: not the KV-cache scales a quantized model's
+attention registers), or the sync raises naming the missing ones. vLLM's own reload does the same
+comparison but only warns, and not at all with quantization; an fp8 layer that receives nothing
+keeps its old tensors with a warning. The check is by parameter name: a stacked parameter
+(qkv_proj, gate_up_proj) counts as loaded once any of its shards has come, and the stream sends
+every shard. Until a sync has completed (and after a level-2 sleep) the engine refuses to
 generate, so a run never samples from dummy, dropped or half-loaded weights.
 - bf16: `load_weights` copies each tensor into its parameter in place (vLLM's loaders stack
   q/k/v and gate/up and take this rank's TP slice).
@@ -35,16 +44,24 @@ generate, so a run never samples from dummy, dropped or half-loaded weights.
   with this GPU as the default device, as vLLM's own weight-update path does. Extra memory: up
   to one decoder layer's bf16 tensors held by vLLM (about 1 GB for Qwen2.5-32B).
 
-Sampling, under our conventions (rollout/base.py):
+Seeding. While `LLM(...)` starts, vLLM's worker seeds python's `random`, numpy, torch and every
+CUDA device with the engine seed, the same on every rank; the engine is built with the process's
+RNG states saved and put back, so the trainer's own streams go on as if it had not run. vLLM's
+sampling does not read them: every request carries its seed.
+
+Sampling, under our conventions (rollout/base.py), as vLLM 0.25.1's default (V2) model runner does it:
 - `logprobs_mode="processed_logprobs"` with `SamplingParams(logprobs=0)`: the sampled token's
   log-prob after temperature (and top-p), what the trainer recomputes; top_k off. With top_p < 1
   that is the truncated distribution, so `rollout.logprobs: processed` is required then.
+- temperatures: vLLM samples any temperature in (0, 0.01) at 0.01 (with a warning only), while the
+  trainer divides by the configured one: RolloutConfig refuses them for this engine, and so does
+  `sample_groups`. Above 2 and greedy with n > 1 vLLM refuses (check_vllm_settings says so first).
 - a per-prompt `seed` (vLLM gives sample j seed + j): a prompt's samples do not depend on which
   engine ran it, though vLLM's kernels are not batch-invariant, so they are equal in
   distribution, not bit for bit, across layouts (the embedded engine is bit for bit).
 - `stop_token_ids` = the tokenizer's end ids; a response ends with its EOS token included, and
-  is "eos" exactly when its last token is one (vLLM calls a response that reaches max_tokens on
-  an EOS "length"; the embedded engine calls it "eos", and so do we).
+  is "eos" exactly when its last token is one (vLLM's scheduler checks the stop tokens before the
+  length cap, so it agrees: a response that reaches max_tokens on an EOS is "stop" there).
 - a padded vocabulary (Qwen2.5: 152064 rows for 151665 tokens): logits of the rows beyond the
   tokenizer get -inf in the model's `compute_logits`, so they are never sampled.
 """
@@ -54,12 +71,13 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import os
+import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import RolloutBatch, RolloutConfig
+from .base import VLLM_MIN_TEMPERATURE, RolloutBatch, RolloutConfig
 
 if TYPE_CHECKING:
     from ..model.config import ModelConfig
@@ -119,30 +137,53 @@ def engine_arguments(cfg: RolloutConfig, model: ModelConfig, *, max_model_len: i
 
 class WeightStreamExtension:
     """Methods vLLM adds to its GPU worker (`worker_extension_cls`), reached by `collective_rpc`;
-    `self` is the worker, with `model_runner.model` the vLLM model."""
+    `self` is the worker, with `model_runner.get_model()` the vLLM model."""
 
-    _layerwise_sync = False  # a class default: this class is mixed into vLLM's worker, with no __init__
+    # Class defaults: this class is mixed into vLLM's worker, with no __init__.
+    _layerwise_sync = False
+    _sync_expected: frozenset[str] = frozenset()  # the model's checkpoint parameters, at the sync's start
+    _sync_loaded: set[str] | None = None          # what load_weights reported loaded so far; None: no sync open
 
     def begin_weight_sync(self, layerwise: bool) -> None:
         """Start a sync; `layerwise` (quantised models) restores the checkpoint-format parameters."""
+        model = self.model_runner.get_model()
         self._layerwise_sync = layerwise
         if layerwise:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             with self._loading():
-                initialize_layerwise_reload(self.model_runner.model)
+                initialize_layerwise_reload(model)
+        self._sync_expected = _checkpoint_parameter_names(model)
+        self._sync_loaded = set()
 
     def load_weight_pairs(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        assert self._sync_loaded is not None, "begin_weight_sync before load_weight_pairs"
+        model = self.model_runner.get_model()
         with self._loading():
-            self.model_runner.model.load_weights(weights=pairs)
+            loaded = model.load_weights(weights=pairs)
+        if loaded is None:  # vLLM's Qwen2, Qwen3 and Llama report a set; a model that does not cannot be checked
+            raise RuntimeError(f"vLLM's {type(model).__name__}.load_weights reports no loaded names, so a weight "
+                               "sync cannot be checked complete")
+        self._sync_loaded.update(loaded)
 
     def end_weight_sync(self) -> None:
+        """Close the sync (fp8: vLLM processes what the reload brought, keeping the old tensors of
+        layers that received nothing), then raise if any parameter received nothing."""
+        assert self._sync_loaded is not None, "begin_weight_sync before end_weight_sync"
+        missing = sorted(self._sync_expected - self._sync_loaded)
+        self._sync_loaded = None
         if self._layerwise_sync:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            with self._loading():
-                finalize_layerwise_reload(self.model_runner.model, self.model_config)
             self._layerwise_sync = False
+            with self._loading():
+                finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+        if missing:
+            shown = ", ".join(missing[:20]) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
+            raise RuntimeError(f"the weight sync to vLLM left {len(missing)} of the model's parameters without a "
+                               f"tensor: {shown}. The trainer's weight stream (model/weight_stream.py) sent nothing "
+                               "for them: the trainer's model and the checkpoint vLLM was built from "
+                               "(model.hf_checkpoint) must have the same weights")
 
     @contextlib.contextmanager
     def _loading(self) -> Iterator[None]:
@@ -155,7 +196,7 @@ class WeightStreamExtension:
 
     def mask_vocab_rows_from(self, first_padded_row: int) -> None:
         """-inf logits for the rows of a padded vocabulary, from `first_padded_row` on."""
-        model = self.model_runner.model
+        model = self.model_runner.get_model()
         compute_logits = model.compute_logits
 
         def masked(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -165,6 +206,32 @@ class WeightStreamExtension:
             return logits
 
         model.compute_logits = masked
+
+
+def _checkpoint_parameter_names(model: torch.nn.Module) -> frozenset[str]:
+    """The model's parameters a checkpoint fills: all but the KV-cache scales that a quantized
+    model's attention layers register (no checkpoint of ours has them; vLLM defaults them)."""
+    from vllm.model_executor.layers.quantization.kv_cache import KVCacheScaleParameter
+
+    return frozenset(name for name, param in model.named_parameters() if not isinstance(param, KVCacheScaleParameter))
+
+
+@contextlib.contextmanager
+def _process_rng_kept() -> Iterator[None]:
+    """Put back the process's RNG states (python, numpy, torch, every CUDA device) afterwards: vLLM's
+    worker reseeds them all with the engine seed while `LLM(...)` starts (set_random_seed)."""
+    import numpy as np
+
+    python, numpy_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 class VLLMEngine:
@@ -181,8 +248,9 @@ class VLLMEngine:
         self.eos_ids = tuple([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or ())
         if not self.eos_ids:
             raise ValueError("the vLLM engine needs the tokenizer's end-of-sequence ids (eos_token_id)")
-        self.llm = LLM(**engine_arguments(cfg, model, max_model_len=max_model_len or model.max_position_embeddings,
-                                          seed=seed))
+        with _process_rng_kept():
+            self.llm = LLM(**engine_arguments(cfg, model, max_model_len=max_model_len or model.max_position_embeddings,
+                                              seed=seed))
         if token_vocab_size is not None and token_vocab_size < model.vocab_size:
             self.llm.collective_rpc("mask_vocab_rows_from", args=(token_vocab_size,))
         self._asleep: set[str] = set()
@@ -211,6 +279,9 @@ class VLLMEngine:
 
         if len(seeds) != len(prompts):
             raise ValueError(f"sample_groups: {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
+        if 0 < temperature < VLLM_MIN_TEMPERATURE:
+            raise ValueError(f"temperature={temperature}: vLLM would sample at {VLLM_MIN_TEMPERATURE} instead; use 0 "
+                             f"(greedy) or at least {VLLM_MIN_TEMPERATURE}")
         if not self._weights_current:
             raise RuntimeError("the vLLM engine holds no complete trainer weights (none loaded yet, a sync did not "
                                "finish, or sleep(level=2) dropped them): load_weights before generating")

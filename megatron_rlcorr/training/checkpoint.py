@@ -1,31 +1,49 @@
 """Run checkpoints with Megatron-Core's dist_checkpointing: resumable on any parallel layout.
 
 `runs/<name>/checkpoints/step_<N>/` is one distributed checkpoint (Megatron's `torch_dist`
-format: `metadata.json`, `common.pt`, `.metadata`, one `__<rank>_<i>.distcp` file per writing
-rank) plus `layout.json`, the layout that wrote it (for messages only); `checkpoints/latest` names
-the newest complete step. What a checkpoint holds:
+format: `metadata.json`, `.metadata`, one `__<rank>_<i>.distcp` file per writing rank, and the
+common state: `common.pt` up to Megatron-Core 0.18, inside the `.distcp` files from 0.19 on) plus
+`layout.json`, the layout that wrote it, and `checkpoint.json`, what wrote it (Megatron-Core's
+version, the optimizer and its format); `checkpoints/latest` names the newest complete step.
+What a checkpoint holds:
 
 - model: every chunk's `sharded_state_dict()`: each tensor under its global name (layer numbers
   counted over the whole model, not the pipeline stage) with the slice this rank holds, so a
   loading rank reads the slice of its own TP / PP / VPP layout whatever layout wrote it. The
   padded vocabulary changes with TP; Megatron marks the embedding and output rows as
   shape-tolerant and loads the rows both layouts have.
-- optimizer: Megatron's optimizer state, per parameter for plain Adam; the distributed
-  optimizer's in its `fully_reshardable` form: gathered per data-parallel group onto its first
-  rank when saved and written as canonical per-parameter tensors, re-flattened into the loading
-  layout's shards. (Megatron's `dp_reshardable` form writes each rank's flat shard without the
-  gather but reshards only over DP; the gather is the price of changing TP or PP on resume.)
+- optimizer: Megatron's optimizer state, per parameter for plain Adam. The distributed
+  optimizer's in one of Megatron's two formats (`trainer.optimizer_checkpoint_format`):
+  `dp_reshardable` (the default), each rank writes its own flat shard of the float32 master
+  weights and Adam moments, nothing gathered: host memory at save is the rank's shard, and it
+  loads on the same TP / PP / CP / VPP layout with any DP size; `fully_reshardable`, the shards
+  of each data-parallel group are all-gathered and written as canonical per-parameter tensors
+  (every rank briefly holds its model-parallel slice's whole optimizer state in float32, x 3),
+  which loads on any layout. Megatron-LM makes the same choice (--dist-ckpt-optim-fully-
+  reshardable). The loader reads the format from `checkpoint.json` (checkpoints without one
+  were written `fully_reshardable`) and refuses a `dp_reshardable` one on another model-parallel
+  layout, with the fix: resume on the layout that wrote it with
+  `trainer.optimizer_checkpoint_format=fully_reshardable` until its next save.
 - common, written once by rank 0: the step, the scheduler, the trainer's state (data position,
   KL controller) and the optimizer kind.
 - rng: each rank's python / torch / CUDA / tensor-parallel-tracker states. Restored only on the
   layout that wrote them; a run resumed on another layout keeps the seeds it started with (its
   ranks draw other random numbers anyway).
 
+Checkpoints move forward only: a Megatron-Core release reads what older ones wrote, not what
+newer ones write (0.19 moved the common state from `common.pt` into the `.distcp` files, which
+0.16 - 0.18 cannot find). `check_readable` refuses a checkpoint written by a newer minor release
+than the installed one, naming both versions (for checkpoints without `checkpoint.json`: one
+without `common.pt` was written by 0.19 or newer).
+
 Writing: rank 0 creates the directory, every rank writes its shards, then rank 0 writes
-`layout.json` and moves `latest` once all ranks are done, so `latest` never names a partial
-checkpoint. With `CheckpointWriter(async_save=True)` the shards are copied to host memory at
-save time and written by a background process while training goes on; the next save, `poll`
-at a later step, or `close` finishes it and only then moves `latest`.
+`layout.json` and `checkpoint.json` and moves `latest` once all ranks are done, so `latest` never
+names a partial checkpoint. With `CheckpointWriter(async_save=True)` the shards are copied to
+host memory at save time and written by a background process while training goes on; the next
+save, `poll` at a later step, or `close` finishes it and only then moves `latest`. The writer is
+Megatron's own: 0.16 has only that one; 0.17+ take `async_strategy` and default to "nvrx"
+(nvidia-resiliency-ext, not a dependency), so `async_strategy="mcore"` is passed wherever
+`dist_checkpointing.save` accepts it (0.19 logs that it is deprecated in favour of nvrx).
 
 Checkpoints from before this format (per-rank `rank_<R>.pt` files) still load, on the layout that
 wrote them only: `check_resumable` refuses another with the fix named, and `load_legacy` reads
@@ -33,10 +51,11 @@ them.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -47,8 +66,16 @@ if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
 
 LAYOUT_FILE = "layout.json"
+RECORD_FILE = "checkpoint.json"
 LEGACY_RANK_FILE = "rank_{rank:05d}.pt"
-OPTIMIZER_SHARDING = "fully_reshardable"
+# Megatron's names for the distributed optimizer's checkpoint formats (module docstring).
+OptimizerFormat = Literal["dp_reshardable", "fully_reshardable"]
+# What checkpoints without a record (before checkpoint.json) were written in.
+UNRECORDED_FORMAT = "fully_reshardable"
+# The layout keys a dp_reshardable optimizer state depends on (its DP size may change).
+MODEL_PARALLEL_KEYS = ("tp", "pp", "cp", "vpp")
+# The first release that keeps the common state inside the .distcp files (no common.pt).
+COMMON_IN_DISTCP = "0.19"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -76,6 +103,66 @@ def describe(layout: dict[str, Any]) -> str:
     return " ".join(f"{key}={value}" for key, value in layout.items())
 
 
+def saved_record(directory: Path) -> dict[str, Any] | None:
+    """What wrote the checkpoint: {"megatron_core": version, "optimizer": "distributed" | "plain" |
+    None, "optimizer_format": OptimizerFormat}; None for checkpoints from before the record."""
+    record = directory / RECORD_FILE
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core's version (from its distribution: no import of Megatron)."""
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+def _release(version: str) -> tuple[int, int]:
+    from packaging.version import Version
+
+    return (*Version(version).release, 0)[:2]
+
+
+def check_readable(directory: Path, installed: str | None = None) -> None:
+    """ValueError when the installed Megatron-Core cannot read the checkpoint: one written by a
+    newer minor release (checkpoints move forward only; module docstring)."""
+    installed = installed or megatron_core_version()
+    record = saved_record(directory)
+    if record is not None:
+        writer = record["megatron_core"]
+        if _release(writer) > _release(installed):
+            raise ValueError(f"checkpoint {directory} was written by Megatron-Core {writer}, but megatron-core "
+                             f"{installed} is installed: checkpoints move forward only (a release reads what "
+                             f"older ones wrote, not what newer ones write). Resume it where megatron-core>={writer} is "
+                             f"installed, or start afresh with trainer.resume=false")
+        return
+    written_by_019 = (directory / "metadata.json").is_file() and not (directory / "common.pt").is_file()
+    if written_by_019 and _release(installed) < _release(COMMON_IN_DISTCP):
+        raise ValueError(f"checkpoint {directory} has no common.pt: it was written by Megatron-Core "
+                         f"{COMMON_IN_DISTCP} or newer (which keeps the common state inside the .distcp files), "
+                         f"but megatron-core {installed} is installed and cannot read it: checkpoints move forward "
+                         f"only. Resume it where megatron-core>={COMMON_IN_DISTCP} is installed, or start afresh "
+                         "with trainer.resume=false")
+
+
+def check_optimizer_format(directory: Path, layout: dict[str, Any]) -> None:
+    """ValueError when the checkpoint's distributed-optimizer state is in the DP-sharded format
+    and `layout` differs from the one that wrote it in TP, PP, CP or VPP."""
+    record, saved = saved_record(directory), saved_layout(directory)
+    if record is None or record.get("optimizer") != "distributed" or saved is None:
+        return
+    if record["optimizer_format"] != "dp_reshardable":
+        return
+    changed = [key for key in MODEL_PARALLEL_KEYS if saved.get(key) != layout.get(key)]
+    if changed:
+        raise ValueError(f"checkpoint {directory} holds the distributed optimizer's state in the DP-sharded format "
+                         f"(trainer.optimizer_checkpoint_format=dp_reshardable), which loads with another DP size "
+                         f"but not with another {'/'.join(changed)}: it was written by {describe(saved)}, this run "
+                         f"has {describe(layout)}. Resume once on the layout that wrote it with "
+                         "trainer.optimizer_checkpoint_format=fully_reshardable (and e.g. trainer.exit_interval to "
+                         "save and stop), then change the layout; or start afresh with trainer.resume=false")
+
+
 # ---- RNG ----------------------------------------------------------------------------------------
 
 def rng_state() -> dict[str, Any]:
@@ -101,18 +188,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---- the sharded state dict -----------------------------------------------------------------------
 
-def _metadata(groups: ParallelGroups) -> dict[str, Any]:
+def _metadata(groups: ParallelGroups, optimizer_format: OptimizerFormat = UNRECORDED_FORMAT) -> dict[str, Any]:
     # What Megatron-LM passes to sharded_state_dict (the group is not saved, the rest is).
     return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-            "distrib_optim_sharding_type": OPTIMIZER_SHARDING, "dp_cp_group": groups.dp_cp}
+            "distrib_optim_sharding_type": optimizer_format, "dp_cp_group": groups.dp_cp}
 
 
-def _content_metadata(groups: ParallelGroups) -> dict[str, Any]:
-    return {k: v for k, v in _metadata(groups).items() if k != "dp_cp_group"}
+def _content_metadata(groups: ParallelGroups, optimizer_format: OptimizerFormat) -> dict[str, Any]:
+    return {k: v for k, v in _metadata(groups, optimizer_format).items() if k != "dp_cp_group"}
 
 
 def _model_state(model_chunks: list[Any], groups: ParallelGroups) -> dict[str, Any]:
-    metadata = _metadata(groups)
+    metadata = _metadata(groups)  # the model's sharding does not depend on the optimizer's format
     state = {}
     for i, chunk in enumerate(model_chunks):
         module = chunk.module if hasattr(chunk, "ddp_config") else chunk
@@ -132,10 +219,11 @@ def _optimizer_kind(optimizer) -> str:
 
 
 def _full_state(model_chunks, optimizer, scheduler, groups, common: dict[str, Any], *, is_loading: bool,
-                with_rng: bool) -> dict[str, Any]:
+                with_rng: bool, optimizer_format: OptimizerFormat) -> dict[str, Any]:
     state = _model_state(model_chunks, groups)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_metadata(groups))
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                          metadata=_metadata(groups, optimizer_format))
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     state["common"] = common
@@ -154,8 +242,9 @@ class CheckpointWriter:
     save is done; `close()` waits for it.
     """
 
-    def __init__(self, async_save: bool = False):
+    def __init__(self, async_save: bool = False, optimizer_format: OptimizerFormat = "dp_reshardable"):
         self.async_save = async_save
+        self.optimizer_format = optimizer_format
         self._queue = None
 
     def save(self, run_dir: Path, step: int, *, model_chunks: list[Any], optimizer, scheduler,
@@ -173,17 +262,21 @@ class CheckpointWriter:
         random_state = rng_state()  # torch's distributed checkpoint writer draws random numbers
         if optimizer is not None:
             start_adam_state(optimizer)
-        state = _full_state(model_chunks, optimizer, scheduler, groups,
-                            {**common, "optimizer_kind": _optimizer_kind(optimizer) if optimizer else None},
-                            is_loading=False, with_rng=True)
+        kind = _optimizer_kind(optimizer) if optimizer is not None else None
+        state = _full_state(model_chunks, optimizer, scheduler, groups, {**common, "optimizer_kind": kind},
+                            is_loading=False, with_rng=True, optimizer_format=self.optimizer_format)
         request = dist_checkpointing.save(state, str(directory), _save_strategy(groups),
                                           async_sharded_save=self.async_save,
-                                          content_metadata=_content_metadata(groups))
+                                          content_metadata=_content_metadata(groups, self.optimizer_format),
+                                          **async_options(dist_checkpointing.save))
         set_rng_state(random_state)  # saving must not change what the run draws next
+        record = {"megatron_core": megatron_core_version(), "optimizer": kind,
+                  "optimizer_format": self.optimizer_format}
 
         def finish() -> None:
             if rank0:
                 (directory / LAYOUT_FILE).write_text(json.dumps(layout) + "\n")
+                (directory / RECORD_FILE).write_text(json.dumps(record) + "\n")
                 (run_dir / "checkpoints" / "latest").write_text(f"{step}\n")
 
         if not self.async_save:
@@ -210,6 +303,13 @@ class CheckpointWriter:
             dist.barrier()
 
 
+def async_options(save) -> dict[str, Any]:
+    """The writer for `dist_checkpointing.save`: Megatron's own ("mcore") where `save` takes
+    `async_strategy` (0.17+, whose default "nvrx" needs nvidia-resiliency-ext); nothing on 0.16,
+    whose only writer it is."""
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save).parameters else {}
+
+
 def _save_strategy(groups: ParallelGroups):
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -227,6 +327,10 @@ def load(directory: Path, *, model_chunks: list[Any], optimizer, scheduler, grou
     the RNG too when `layout` is the one that wrote it. Returns the common (trainer) state."""
     from megatron.core import dist_checkpointing
 
+    check_readable(directory)
+    check_optimizer_format(directory, layout)
+    record = saved_record(directory)
+    optimizer_format = record["optimizer_format"] if record is not None else UNRECORDED_FORMAT
     common = dist_checkpointing.load_common_state_dict(str(directory))["common"]
     saved_kind = common.get("optimizer_kind")
     if optimizer is not None and saved_kind != _optimizer_kind(optimizer):
@@ -236,12 +340,16 @@ def load(directory: Path, *, model_chunks: list[Any], optimizer, scheduler, grou
     if optimizer is not None:
         start_adam_state(optimizer)  # a fresh optimizer's state, for the load to fill in
     same_layout = saved_layout(directory) == layout
-    state = _full_state(model_chunks, optimizer, scheduler, groups, common, is_loading=True, with_rng=same_layout)
+    state = _full_state(model_chunks, optimizer, scheduler, groups, common, is_loading=True, with_rng=same_layout,
+                        optimizer_format=optimizer_format)
     loaded = dist_checkpointing.load(state, str(directory), _load_strategy(groups))
     for i, chunk in enumerate(model_chunks):
         chunk.load_state_dict(loaded[f"model{i}"], strict=True)
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        # dp_reshardable's loader copies into the master weights without no_grad: with fp32 weights they
+        # are views of the parameters (leaves that require grad), and autograd refuses in-place copies.
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
@@ -253,6 +361,7 @@ def load_model(directory: Path, model_chunks: list[Any], groups: ParallelGroups)
     """Only the model's weights (score, export): any layout."""
     from megatron.core import dist_checkpointing
 
+    check_readable(directory)
     loaded = dist_checkpointing.load(_model_state(model_chunks, groups), str(directory), _load_strategy(groups))
     for i, chunk in enumerate(model_chunks):
         chunk.load_state_dict(loaded[f"model{i}"], strict=True)
@@ -306,9 +415,15 @@ def _adam_step_dtype() -> torch.dtype:
 def check_resumable(run_dir: Path, layout: dict[str, Any], *, distributed_optimizer: bool) -> None:
     """ValueError if the latest checkpoint of `run_dir` is a per-rank one written by another
     parallel layout, or for the distributed optimizer (per-rank checkpoints hold the plain
-    optimizer's state). Distributed checkpoints load on any layout."""
+    optimizer's state); a distributed checkpoint that the installed Megatron-Core cannot read
+    (`check_readable`) or whose DP-sharded optimizer state does not fit `layout`
+    (`check_optimizer_format`). Checked before any process group exists."""
     step = latest_step(run_dir)
-    if step is None or not is_legacy(checkpoint_dir(run_dir, step)):
+    if step is None:
+        return
+    if not is_legacy(checkpoint_dir(run_dir, step)):
+        check_readable(checkpoint_dir(run_dir, step))
+        check_optimizer_format(checkpoint_dir(run_dir, step), layout)
         return
     if distributed_optimizer:
         raise ValueError(f"trainer.resume: {checkpoint_dir(run_dir, step)} is a per-rank checkpoint (from before "

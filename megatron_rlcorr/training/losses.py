@@ -199,6 +199,18 @@ def aggregate_loss(loss_tok: torch.Tensor, agg_mode: LossAggMode, normalizer: Lo
     return per_seq.sum() / _denominator(normalizer.num_seqs, loss_tok)
 
 
+def aggregate_over_batch(values_BT: torch.Tensor, mask_BT: torch.Tensor, agg_mode: LossAggMode, *,
+                         dp_group: dist.ProcessGroup | None = None, loss_scale_factor: float = 1.0) -> torch.Tensor:
+    """A per-token quantity of a whole batch (rows split over the DP ranks), aggregated over the
+    valid tokens as the loss aggregates (verl's agg_loss(values, mask, agg_mode) over the batch):
+    0-d float32, identical on the ranks of dp_group. Values at masked positions may be garbage."""
+    mask = mask_BT != 0
+    (normalizer,) = global_loss_normalizers([mask], agg_mode, dp_group=dp_group, loss_scale_factor=loss_scale_factor)
+    value = aggregate_loss(torch.where(mask, values_BT.float(), 0.0), agg_mode, normalizer)
+    _all_reduce_sum(value, dp_group)
+    return value
+
+
 def global_loss_normalizers(
     loss_masks_per_microbatch: Sequence[torch.Tensor],
     agg_mode: LossAggMode,

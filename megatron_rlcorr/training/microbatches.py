@@ -23,8 +23,9 @@ one fixed shape between stages; with virtual pipelining their number is a multip
 (Megatron-Core's interleaved schedule).
 
 Alignment (`sequence_multiple`): 2*cp for the zigzag split; with sequence parallelism each
-sequence's share per CP rank is split again over TP; FP8 GEMMs need each rank's token count to be
-a multiple of 16 (MXFP8: 32). Padding tokens are pad id 0, masked out of every loss and metric.
+sequence's share per CP rank is split again over TP; FP8 needs each rank's token count to be a
+multiple of 16 (MXFP8: 32; blockwise with sequence parallelism: 128; model.config.fp8_token_alignment).
+Padding tokens are pad id 0, masked out of every loss and metric.
 """
 from __future__ import annotations
 
@@ -35,19 +36,20 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..parallel.context import (FP8_TOKEN_ALIGNMENT, MXFP8_TOKEN_ALIGNMENT, cp_pad_multiple, packed_cp_indices,
-                                zigzag_token_positions)
+from ..model.config import fp8_token_alignment
+from ..parallel.context import cp_pad_multiple, packed_cp_indices, zigzag_token_positions
 
 
 def sequence_multiple(config: Any) -> int:
     """The padding multiple of every sequence for a model's TransformerConfig (module docstring)."""
-    fp8 = getattr(config, "fp8", None)
-    alignment = 1
-    if fp8:
-        recipe = getattr(config, "fp8_recipe", None)
-        alignment = MXFP8_TOKEN_ALIGNMENT if str(getattr(recipe, "value", recipe)) == "mxfp8" else FP8_TOKEN_ALIGNMENT
+    recipe = None
+    if getattr(config, "fp8", None):
+        recipe = getattr(config, "fp8_recipe", None) or "delayed"  # a Megatron-Core without fp8_recipe: delayed
+        recipe = str(getattr(recipe, "value", recipe))             # Megatron's Fp8Recipe enum
+    sequence_parallel = bool(config.sequence_parallel)
+    alignment = fp8_token_alignment(recipe, sequence_parallel=sequence_parallel)
     return cp_pad_multiple(config.context_parallel_size, tp_size=config.tensor_model_parallel_size,
-                           sequence_parallel=bool(config.sequence_parallel), token_alignment=alignment)
+                           sequence_parallel=sequence_parallel, token_alignment=alignment)
 
 
 def sequence_lengths(mask_BT: torch.Tensor) -> torch.Tensor:

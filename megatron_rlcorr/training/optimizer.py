@@ -39,6 +39,7 @@ sums (losses.global_loss_normalizers), so step.py multiplies each micro-batch lo
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -75,6 +76,9 @@ class OptimSettings:
     # Defer the updated weights' all-gather to the next forward; needs use_distributed_optimizer and
     # overlap_grad_reduce.
     overlap_param_gather: bool = False
+    # While the rollout engine generates, keep the optimizer's state (float32 master weights, Adam moments) in
+    # host memory (pinned on CUDA), copied back before training (verl's optimizer_offload; training/offload.py)
+    offload_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.overlap_param_gather and not self.use_distributed_optimizer:
@@ -101,7 +105,7 @@ def build_model_and_optimizer(model_cfg: ModelConfig, optim: OptimSettings, grou
     _check_schedule(optim, total_steps)
     enable_cpu_megatron()
     chunks = [_wrap_ddp(chunk, optim, groups, first=(i == 0))
-              for i, chunk in enumerate(build_model_chunks(model_cfg, groups, seed=seed))]
+              for i, chunk in enumerate(build_model_chunks(model_cfg, groups, seed=seed, main_grads=True))]
     optimizer = build_optimizer(chunks, model_cfg, optim, groups)
     scheduler = build_scheduler(optimizer, optim, total_steps)
     install_schedule_hooks(chunks, optimizer, groups, optim)
@@ -123,6 +127,8 @@ def _wrap_ddp(chunk, optim: OptimSettings, groups: ParallelGroups, *, first: boo
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=optim.overlap_grad_reduce,
+        # Megatron's own default, stated so that the parameter layout below uses the same buckets.
+        bucket_size=max(40_000_000, 1_000_000 * groups.dp_size) if optim.overlap_grad_reduce else None,
         use_distributed_optimizer=optim.use_distributed_optimizer,
         overlap_param_gather=optim.overlap_param_gather,
         # Dispatch every chunk's all-gather from the schedule (param_sync_func), in the order the
@@ -130,9 +136,26 @@ def _wrap_ddp(chunk, optim: OptimSettings, groups: ParallelGroups, *, first: boo
         align_param_gather=optim.overlap_param_gather and (groups.vpp_size or 1) > 1,
         check_for_nan_in_grad=False,
     )
-    # Megatron's own get_model: only the first chunk splits its buffer into buckets.
+    # Megatron's own get_model: only the first chunk splits its buffer into buckets (and DDP never
+    # does on later pipeline stages).
+    bucketed = first and groups.pp_rank == 0
+    extra = {}
+    if optim.use_distributed_optimizer and "full_param_layout" in inspect.signature(DistributedDataParallel).parameters:
+        # megatron-core >= 0.19 wants the distributed optimizer's layout from the caller (it warns
+        # and computes the same one itself otherwise).
+        extra["full_param_layout"] = _full_param_layout(chunk, ddp_config, groups,
+                                                        ddp_config.bucket_size if bucketed else None)
     return DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
-                                   disable_bucketing=not first, pg_collection=groups.pg_collection)
+                                   disable_bucketing=not first, pg_collection=groups.pg_collection, **extra)
+
+
+def _full_param_layout(chunk, ddp_config, groups: ParallelGroups, bucket_size: int | None):
+    """The distributed optimizer's padded layout of `chunk`'s trainable parameters in DDP's
+    buffers: shards over DP x CP (no expert parallelism here)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    return DistributedOptimizer.compute_full_param_layout(params, bucket_size, groups.dp_cp_size, ddp_config)
 
 
 def optimizer_config(model_cfg: ModelConfig, optim: OptimSettings):

@@ -26,8 +26,12 @@ Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
    The learning-rate scheduler is the caller's: it advances once per RL step, so every update of
    a step uses that step's learning rate (verl's schedule). Metrics, kept as (sum, count)
    tensors, are reduced once over CP x DP and broadcast from the last pipeline stage to the
-   others. `actor/pg_loss` is the policy-gradient term alone; the entropy bonus and the KL loss
-   (`actor/kl_loss`, with a reference policy's log-probs) are reported beside it.
+   others. `actor/pg_loss` is the policy-gradient term alone; the entropy bonus
+   (`actor/entropy_loss`) and the KL loss (`actor/kl_loss`, with a reference policy's log-probs)
+   are reported beside it. The update computes the entropy only for the loss (entropy_coeff != 0).
+   `actor/entropy` is pi_old's, from the forward-only pass (`compute_old_log_probs_and_entropy`,
+   `old_pass_entropy`: verl's trainer reports it the same way); bypass mode has no such pass, so
+   there it is the update's entropy term / -entropy_coeff, and absent with entropy_coeff 0.
 
 Modes (RolloutCorrectionConfig): decoupled (bypass_mode False): pi_old comes from
 `compute_old_log_probs` before the update, IS/RS from pi_old vs pi_rollout, PPO ratio against
@@ -61,7 +65,7 @@ from ..config import RolloutCorrectionConfig
 from ..correction import compute_rollout_correction
 from .logprobs import token_logprobs_and_entropy
 from .kl import KLLossSettings
-from .losses import LossConfig, global_loss_normalizers, policy_loss, reduce_metric_partials
+from .losses import LossConfig, aggregate_over_batch, global_loss_normalizers, policy_loss, reduce_metric_partials
 from .microbatches import MicroBatchPlan, PackingRules, plan_packed, plan_padded, sequence_lengths, sequence_multiple
 from .optimizer import current_lr, loss_scale_for_schedule, step_optimizer, zero_grads
 
@@ -256,20 +260,43 @@ def compute_old_log_probs(model_chunks: list[Any], batch: StepBatch, *, groups: 
     micro-batches of `micro_batch_size` rows or, with `max_tokens_per_micro_batch`, packed ones.
     Collective over the model-parallel group of this DP rank (all of TP x CP x PP must call it).
     """
+    return compute_old_log_probs_and_entropy(model_chunks, batch, groups=groups, micro_batch_size=micro_batch_size,
+                                             temperature=temperature, entropy=False,
+                                             max_tokens_per_micro_batch=max_tokens_per_micro_batch)[0]
+
+
+def compute_old_log_probs_and_entropy(model_chunks: list[Any], batch: StepBatch, *, groups: ParallelGroups,
+                                      micro_batch_size: int, temperature: float, entropy: bool = True,
+                                      max_tokens_per_micro_batch: int = 0
+                                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """compute_old_log_probs, and with `entropy` the entropy of pi_old's tempered distribution at
+    every position [B, T] float32 (where the trainer's `actor/entropy` comes from: old_pass_entropy)."""
     plan = _plan(batch, model_chunks, groups, micro_batch_size=micro_batch_size,
                  max_tokens=max_tokens_per_micro_batch, same_count_over_dp=False)
     local = _cut(batch, plan)
     log_probs: list[torch.Tensor | None] = [None] * plan.num_microbatches
+    entropies: list[torch.Tensor | None] = [None] * plan.num_microbatches
 
     def loss_fn(mb, logits):
-        log_probs[mb], _ = _log_probs(logits, local.targets[mb], groups, temperature, entropy=False)
+        log_probs[mb], entropies[mb] = _log_probs(logits, local.targets[mb], groups, temperature, entropy=entropy)
         return logits.new_zeros(()), {}
 
     with torch.no_grad():
         _run_schedule(model_chunks, local, loss_fn, groups=groups, forward_only=True)
     if not groups.is_pipeline_last_stage():
-        return None
-    return plan.merge(log_probs, batch.tokens_BT.shape[1])
+        return None, None
+    width = batch.tokens_BT.shape[1]
+    return plan.merge(log_probs, width), plan.merge(entropies, width) if entropy else None
+
+
+def old_pass_entropy(entropy_BT: torch.Tensor, batch: StepBatch, cfg: StepConfig,
+                     groups: ParallelGroups) -> torch.Tensor:
+    """`actor/entropy` (0-d): pi_old's entropy over the response tokens of the step batch (all DP
+    ranks), aggregated with the recipe's loss_agg_mode, as verl's trainer reports it
+    (agg_loss(entropys, response_mask, loss_agg_mode) after its compute_log_prob). Last stage only."""
+    return aggregate_over_batch(entropy_BT, batch.response_mask_BT.to(entropy_BT.device), cfg.loss.loss_agg_mode,
+                                dp_group=_group_or_none(groups.dp, groups.dp_size),
+                                loss_scale_factor=cfg.loss_scale_factor)
 
 
 # ---- the decoupled correction, once per RL step ---------------------------------------------
@@ -391,11 +418,12 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
     scale = loss_scale_for_schedule(plan.num_microbatches, groups)
     terms, partials, corr_metrics = [], [], []
     theta_log_probs: list[torch.Tensor | None] = [None] * plan.num_microbatches  # bypass PPO: detached pi_theta
+    with_entropy = cfg.loss.entropy_coeff != 0.0
 
     def loss_fn(mb, logits):
         cu = local.cu_seqlens(mb)
-        # Entropy always: it is reported whether or not it enters the loss.
-        log_prob, entropy = _log_probs(logits, local.targets[mb], groups, cfg.temperature, entropy=True)
+        # Entropy only for the loss: actor/entropy comes from the pi_old pass (old_pass_entropy).
+        log_prob, entropy = _log_probs(logits, local.targets[mb], groups, cfg.temperature, entropy=with_entropy)
         loss_mask, is_weights = inputs.loss_mask[mb], None if inputs.is_weights is None else inputs.is_weights[mb]
         if bypass_ppo:
             # RS + veto from pi_theta vs pi_rollout; per-sequence decisions need only the CP group.
@@ -413,7 +441,7 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
                           normalizer=inputs.normalizers[mb], is_weights=is_weights, entropy=entropy,
                           ref_log_prob=ref, kl=cfg.kl_loss, cu_seqlens=cu)
         terms.append(out.terms)
-        partials.append(out.metrics)
+        partials.append({name: value for name, value in out.metrics.items() if name != "entropy"})
         return out.loss * scale, {}
 
     zero_grads(model_chunks, optimizer)
@@ -434,6 +462,9 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
                                       cp_group, dp_group)
         if cfg.kl_loss.enabled:
             metrics["actor/kl_coef"] = torch.tensor(cfg.kl_loss.coef)
+        if correct_in_loss and with_entropy:
+            # Bypass mode has no pi_old pass: the update's entropy, aggregated as the loss aggregates it.
+            metrics["actor/entropy"] = metrics["actor/entropy_loss"] / -cfg.loss.entropy_coeff
     metrics = broadcast_from_last_stage(metrics, groups, local.tokens[0].device)
     grad_norm_t = torch.as_tensor(float(grad_norm), dtype=torch.float32)
     metrics["actor/grad_norm"] = grad_norm_t

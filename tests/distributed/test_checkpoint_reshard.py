@@ -1,12 +1,14 @@
 """Distributed checkpoints (training/checkpoint.py) re-shard: saved by one layout, loaded by another.
 
 A dp2 run (distributed optimizer, fp32, gloo) trains two steps, saves, and trains a third. Runs
-on tp2, pp2, pp2 x vpp2 and tp2 x dp2 load that checkpoint into a model built from other seeds
-and must hold the saved weights exactly, the Adam step and the scheduler's step count, and
-then train the third step to the same weights as the uninterrupted run: Adam's moments were
-restored (a fresh Adam's third step differs, checked as a control). The weights are compared as
-full tensors in neutral names against the single-process reference weights that the dp2 run
-exports.
+on tp2, pp2, pp2 x vpp2 and tp2 x dp2 load that checkpoint (its optimizer state in the
+`fully_reshardable` format) into a model built from other seeds and must hold the saved weights
+exactly, the Adam step and the scheduler's step count, and then train the third step to the same
+weights as the uninterrupted run: Adam's moments were restored (a fresh Adam's third step
+differs, checked as a control). The weights are compared as full tensors in neutral names
+against the single-process reference weights that the dp2 run exports. A checkpoint in the
+default DP-sharded format (`dp_reshardable`) continues the same way on the layout that wrote it
+and with another DP size, and is refused, with the fix, on another TP.
 """
 
 import pytest
@@ -22,7 +24,8 @@ CFG = dict(vocab_size=100, hidden_size=32, num_layers=4, num_attention_heads=4, 
            ffn_hidden_size=48, tie_embeddings=True, add_qkv_bias=True, max_position_embeddings=64)
 SCENARIOS = ["dec_ppo_tok", "dec_pg_stm", "dec_pg_stm"]
 LAYOUTS = {"dp2": (1, 1, 1, None, 2), "tp2": (2, 1, 1, None, 2), "pp2": (1, 2, 1, None, 2),
-           "pp2vpp2": (1, 2, 1, 2, 2), "tp2dp2": (2, 1, 1, None, 4), "cp2": (1, 1, 2, None, 2)}
+           "pp2vpp2": (1, 2, 1, 2, 2), "tp2dp2": (2, 1, 1, None, 4), "cp2": (1, 1, 2, None, 2),
+           "dp1": (1, 1, 1, None, 1)}
 
 
 def _batches():
@@ -35,7 +38,7 @@ def _batches():
     return [_make_batch(weights, cfg, scenario) for scenario in SCENARIOS]
 
 
-def _worker(rank, world, layout, directory, mode, batches, optim=None):
+def _worker(rank, world, layout, directory, mode, batches, optim=None, optimizer_format="fully_reshardable"):
     """mode "save": steps 1-2, save, step 3. "load": load, step 3 (fresh_adam: load the
     weights only, as a control)."""
     hide_gpus()
@@ -71,12 +74,12 @@ def _worker(rank, world, layout, directory, mode, batches, optim=None):
         sync_params(chunks)
         return export_full_weights(chunks, groups)
 
-    layout_record = {"layout": layout}
+    layout_record = {"world_size": world, "tp": tp, "pp": pp, "cp": cp, "vpp": vpp}
     out = {}
     if mode in ("save", "save_async"):
         train(0)
         train(1)
-        writer = checkpoint.CheckpointWriter(async_save=mode == "save_async")
+        writer = checkpoint.CheckpointWriter(async_save=mode == "save_async", optimizer_format=optimizer_format)
         writer.save(directory, 2, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, groups=groups,
                     common={"data_position": 8}, layout=layout_record)
         out["rand"] = torch.rand(3)
@@ -121,10 +124,19 @@ def _max_diff(a, b):
 
 
 def test_checkpoint_files_and_marker(saved):
+    """The files of the installed Megatron-Core's format (common.pt up to 0.18, the common state
+    inside the .distcp files from 0.19 on) and the record of what wrote them."""
+    from megatron_rlcorr.training import checkpoint
+
     directory, _, _ = saved
     step_dir = directory / "checkpoints" / "step_000002"
     names = {p.name for p in step_dir.iterdir()}
-    assert {"metadata.json", "common.pt", "layout.json"} <= names and any(n.endswith(".distcp") for n in names)
+    assert {"metadata.json", "layout.json", "checkpoint.json"} <= names and any(n.endswith(".distcp") for n in names)
+    installed = checkpoint.megatron_core_version()
+    assert ("common.pt" in names) == (checkpoint._release(installed) < checkpoint._release("0.19"))
+    assert checkpoint.saved_record(step_dir) == {"megatron_core": installed, "optimizer": "distributed",
+                                                 "optimizer_format": "fully_reshardable"}
+    checkpoint.check_readable(step_dir)  # the installed version reads what it wrote
     assert (directory / "checkpoints" / "latest").read_text().strip() == "2"
 
 
@@ -171,3 +183,47 @@ def test_asynchronous_save_is_the_state_at_save_time(tmp_path):
     assert ref["latest_before_close"] is None and ref["latest_after_close"] == 2
     for result in run_distributed(_worker, 2, "tp2", tmp_path, "load", batches):
         assert _max_diff(result["loaded"], ref["saved"]) == 0.0 and result["adam_steps"] == [2]
+
+
+@pytest.fixture(scope="module")
+def saved_dp_sharded(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("dp_sharded")
+    batches = _batches()
+    results = run_distributed(_worker, 2, "dp2", directory, "save", batches, None, "dp_reshardable")
+    return directory, batches, results
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp1"])
+def test_dp_sharded_checkpoint_continues_the_run_with_any_dp_size(saved_dp_sharded, layout):
+    from megatron_rlcorr.training import checkpoint
+
+    directory, batches, saving_ranks = saved_dp_sharded
+    ref = saving_ranks[0]
+    record = checkpoint.saved_record(checkpoint.checkpoint_dir(directory, 2))
+    assert record["optimizer_format"] == "dp_reshardable" and record["optimizer"] == "distributed"
+    results = run_distributed(_worker, LAYOUTS[layout][-1], layout, directory, "load", batches)
+    for rank, result in enumerate(results):
+        assert _max_diff(result["loaded"], ref["saved"]) == 0.0, (layout, rank)
+        assert result["scheduler_steps"] == 2 and result["adam_steps"] == [2], (layout, rank)
+        assert result["step3_updated"], (layout, rank)
+        diff = _max_diff(result["after"], ref["after"])
+        assert diff < 2e-6, (layout, rank, diff)
+        if layout == "dp2":
+            assert diff == 0.0  # the same ranks, the same shards: bit for bit
+            assert torch.equal(result["rand"], saving_ranks[rank]["rand"])
+
+
+def test_dp_sharded_checkpoint_is_refused_on_another_tp_with_the_fix(saved_dp_sharded):
+    from megatron_rlcorr.training import checkpoint
+
+    directory, batches, _ = saved_dp_sharded
+    step_dir = checkpoint.checkpoint_dir(directory, 2)
+    with pytest.raises(ValueError) as info:
+        checkpoint.check_optimizer_format(step_dir, {"world_size": 2, "tp": 2, "pp": 1, "cp": 1, "vpp": None})
+    message = str(info.value)
+    assert "trainer.optimizer_checkpoint_format=fully_reshardable" in message and "another tp" in message
+    assert "world_size=2 tp=1 pp=1" in message and "world_size=2 tp=2 pp=1" in message
+    checkpoint.check_optimizer_format(step_dir, {"world_size": 1, "tp": 1, "pp": 1, "cp": 1, "vpp": None})
+    # `load` checks it before reading anything.
+    with pytest.raises(AssertionError, match="optimizer_checkpoint_format=fully_reshardable"):
+        run_distributed(_worker, 2, "tp2", directory, "load", batches)

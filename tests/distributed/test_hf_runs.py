@@ -42,7 +42,11 @@ def _cli(*args, timeout=300):
 
 # ---- training from a checkpoint and a dataset ----------------------------------------------------
 
-def test_dataset_run_learns_the_format_and_resumes_with_the_next_prompts(tiny_hf, tmp_path):
+def test_dataset_run_resumes_with_the_next_prompts(tiny_hf, tmp_path):
+    """A run stopped after 2 of 4 steps and resumed equals the uninterrupted run, and reads the
+    dataset from where it stopped. The other checks are bounds that hold for any trajectory: 4
+    steps of this tiny model learn or collapse depending on the machine's float rounding (on a
+    fresh 2-core machine every reward was -1 by step 4), so no check depends on learning."""
     common = [*SMALL, *_files(tiny_hf), f"trainer.output_dir={tmp_path}", "trainer.save_hf=false"]
     runs = [(RECIPE, [*common, "name=whole", "trainer.steps=4"]),
             (RECIPE, [*common, "name=exit", "trainer.steps=4", "trainer.exit_interval=2"]),
@@ -52,11 +56,23 @@ def test_dataset_run_learns_the_format_and_resumes_with_the_next_prompts(tiny_hf
     assert [deterministic(r) for r in resumed] == [deterministic(r) for r in whole]
     # 4 prompts a step from a 100-row file, read in order: the position is in the checkpoint
     assert [r["data/epoch"] for r in whole] == pytest.approx([0.04, 0.08, 0.12, 0.16])
+    max_new_tokens, samples = 8, 4 * 4  # the recipe's rollout.max_new_tokens; round 0: prompts x rollout.n
     for record in whole:
-        # dapo_math scores +1 / -1; the warmed-up model is right about a third of the time
-        assert -1.0 <= record["reward_mean"] <= 1.0 and record["data/round0_dropped_long_prompts"] == 0
-        assert 4 <= record["response_length_mean"] <= 8
-        assert 0 < record["rollout_corr/k3_kl"] < 1e-2  # bf16 rollouts, fp32 training
+        assert record["data/round0_dropped_long_prompts"] == 0  # every prompt of the file fits
+        # dapo_math scores +1 (right) or -1, and acc is its right answers: a whole number of them
+        right = record["reward/acc_mean"] * samples
+        assert right == pytest.approx(round(right)) and 0 <= round(right) <= samples
+        assert record["reward_mean"] == pytest.approx(2 * record["reward/acc_mean"] - 1)
+        assert 1 <= record["dynamic_sampling/num_gen_batches"] <= 3  # algorithm.dynamic_sampling.max_num_gen_batches
+        assert 0 <= record["dynamic_sampling/filler_fraction"] <= 1
+        # what was generated (the fillers, when dynamic sampling found no informative group): never
+        # an empty mean's 0 tokens, all truncated
+        assert 1 <= record["response_length_mean"] <= record["response_length_max"] <= max_new_tokens
+        assert record["response_length_max"] == int(record["response_length_max"])
+        assert 0 <= record["response/clip_fraction"] <= 1
+        assert record["response/clip_fraction"] < 1 or record["response_length_mean"] == max_new_tokens
+        assert 0 <= record["rollout_corr/k3_kl"] < float("inf")
+    assert whole[0]["rollout_corr/k3_kl"] > 0  # bf16 rollouts against fp32 training: a real mismatch
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from tests.dist import run_distributed
 VOCAB = 48
 TP_GROUPS = {4: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]]}
 CASES = [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 0.7)]
+CHUNKS = (None, 4)  # 1/16 of the 15 tokens (one a chunk) and uneven chunks of 4
 
 
 def full_problem(dtype):
@@ -19,14 +20,16 @@ def full_problem(dtype):
     return logits, targets, g_logprob, g_entropy
 
 
-def sharded_forward_backward(tp_group, dtype, temperature):
-    """This rank's log-probs, entropy and gradient wrt its own vocabulary slice."""
+def sharded_forward_backward(tp_group, dtype, temperature, chunk_tokens=None):
+    """This rank's log-probs, entropy and gradient wrt its own vocabulary slice (the whole
+    vocabulary without a group)."""
     logits, targets, g_logprob, g_entropy = full_problem(dtype)
-    tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     local = logits.chunk(tp_size, dim=-1)[tp_rank].clone().requires_grad_()
     before = local.detach().clone()
-    logprob, entropy = token_logprobs_and_entropy(local, targets, tp_group=tp_group,
-                                                  temperature=temperature, compute_entropy=True)
+    logprob, entropy = token_logprobs_and_entropy(local, targets, tp_group=tp_group, temperature=temperature,
+                                                  compute_entropy=True, chunk_tokens=chunk_tokens)
     ((logprob * g_logprob).sum() + (entropy * g_entropy).sum()).backward()
     assert torch.equal(local.detach(), before), "logits were modified"
     return logprob.detach(), entropy.detach(), local.grad
@@ -39,6 +42,9 @@ def _tp_worker(rank, world_size):
     for dtype, temperature in CASES:
         results[(4, dtype, temperature)] = sharded_forward_backward(dist.group.WORLD, dtype, temperature)
         results[(2, dtype, temperature)] = sharded_forward_backward(pair_groups[rank // 2], dtype, temperature)
+        for chunk in CHUNKS:
+            results[(2, dtype, temperature, chunk)] = sharded_forward_backward(pair_groups[rank // 2], dtype,
+                                                                              temperature, chunk)
     return results
 
 
@@ -52,9 +58,14 @@ def reference(dtype, temperature):
     return logprob.detach(), entropy.detach(), logits64.grad
 
 
+@pytest.fixture(scope="module")
+def tp_results():
+    return run_distributed(_tp_worker, 4)
+
+
 @pytest.mark.distributed
-def test_tp2_and_tp4_match_full_vocab_reference():
-    results = run_distributed(_tp_worker, 4)
+def test_tp2_and_tp4_match_full_vocab_reference(tp_results):
+    results = tp_results
     for dtype, temperature in CASES:
         ref_lp, ref_h, ref_grad = reference(dtype, temperature)
         grad_tol = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=0, atol=2e-6)
@@ -67,3 +78,21 @@ def test_tp2_and_tp4_match_full_vocab_reference():
                 grad = torch.cat([g for _, _, g in shards], dim=-1)
                 assert grad.dtype == dtype
                 torch.testing.assert_close(grad.double(), ref_grad, **grad_tol)
+
+
+@pytest.mark.distributed
+def test_tp2_chunked_equals_one_process(tp_results):
+    """Chunked log-probs, entropies and gradients under TP=2 (gloo) equal one process's over the
+    whole vocabulary, chunked the same way, to float32 rounding."""
+    results = tp_results
+    for dtype, temperature in CASES:
+        for chunk in CHUNKS:
+            single = sharded_forward_backward(None, dtype, temperature, chunk)
+            for group in TP_GROUPS[2]:
+                shards = [results[r][(2, dtype, temperature, chunk)] for r in group]
+                for lp, h, _ in shards:
+                    torch.testing.assert_close(lp, single[0], rtol=0, atol=1e-6)
+                    torch.testing.assert_close(h, single[1], rtol=0, atol=1e-6)
+                grad = torch.cat([g for _, _, g in shards], dim=-1)
+                tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
+                torch.testing.assert_close(grad.float(), single[2].float(), **tol)

@@ -18,9 +18,10 @@ a CPU run can measure is compared with its formula on every rank:
   padded buffer, so a rank is within the padding of params / dp and the DP ranks together hold
   exactly the undivided formula.
 - activations with full recomputation (uniform, 1 layer a chunk): the tensors autograd saves in
-  the forward of the recomputed layers (saved_tensors_hooks around the block's checkpointed
-  forward, in the real step) = the formula's chunk-input term, ceil(layers / 1) x 2h bf16 bytes a
-  token (x2 for float32), plus the rotary table [s, 1, 1, head_dim] float32 that every chunk
+  the forward of the recomputed layers (saved_tensors_hooks around Megatron's checkpointed
+  forward of the block, in the real step; it moved in megatron-core 0.18, see
+  `_recording_checkpointed_saves`) = the formula's chunk-input term, ceil(layers / 1) x 2h bf16
+  bytes a token (x2 for float32), plus the rotary table [s, 1, 1, head_dim] float32 that every chunk
   saves and the formula leaves out (per token head_dim x 4 bytes once, next to layers x h x 2|4).
   The formula's other term, one recomputed layer live in its backward (`full_layer`, counted for
   flash attention) is not compared: the CPU path's attention (parallel/cp_attention.py) keeps the
@@ -35,7 +36,9 @@ Run with `pytest -s` to see the measured and estimated numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
 
 import pytest
@@ -92,11 +95,33 @@ def _optim(case):
 
 # ---- the worker: build, step, measure ------------------------------------------------------------
 
-def _record_checkpointed_saves(block, calls):
-    """Wrap the block's checkpointed forward: bytes of every distinct tensor autograd saves in it."""
-    original = block._checkpointed_forward
+class _ListHandler(logging.Handler):
+    """The warnings Megatron-Core's DDP logs (log_single_rank: rank 0 of the world only)."""
 
-    def wrapped(hidden_states, *args, **kwargs):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _recording_checkpointed_saves(calls):
+    """While active, every full-recompute forward of a TransformerBlock appends to `calls` the bytes
+    of every distinct tensor autograd saves in it. The function moved in megatron-core 0.18: a
+    method, `TransformerBlock._checkpointed_forward`, before; `megatron.core.recompute.
+    checkpointed_forward(block, ...)`, which transformer_block imports by name, since."""
+    from megatron.core.transformer import transformer_block
+
+    if hasattr(transformer_block.TransformerBlock, "_checkpointed_forward"):
+        owner, name = transformer_block.TransformerBlock, "_checkpointed_forward"
+    else:
+        owner, name = transformer_block, "checkpointed_forward"
+    original = getattr(owner, name)
+
+    def wrapped(block, *args, **kwargs):
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         saved = {}
 
         def pack(t):
@@ -104,28 +129,36 @@ def _record_checkpointed_saves(block, calls):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            result = original(hidden_states, *args, **kwargs)
+            result = original(block, *args, **kwargs)
         calls.append(dict(seq=hidden_states.shape[0], tokens=hidden_states.shape[0] * hidden_states.shape[1],
                           hidden_dtype_bytes=hidden_states.element_size(), saved_bytes=sum(saved.values()),
                           saved=[(shape, str(dtype)) for _, shape, dtype in saved]))
         return result
 
-    block._checkpointed_forward = wrapped
+    setattr(owner, name, wrapped)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def _measure(case, groups, batch):
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
     from megatron_rlcorr.training.optimizer import build_model_and_optimizer
     from megatron_rlcorr.training.step import StepBatch, train_minibatch
     from tests.distributed.test_step_parallel import BATCH, _step_config
 
-    chunks, optimizer, _ = build_model_and_optimizer(_model_cfg(case), _optim(case), groups, seed=SEED,
-                                                     total_steps=1)
+    ddp_log = _ListHandler()
+    ddp_logger = logging.getLogger("megatron.core.distributed")
+    ddp_logger.addHandler(ddp_log)
+    try:
+        chunks, optimizer, _ = build_model_and_optimizer(_model_cfg(case), _optim(case), groups, seed=SEED,
+                                                         total_steps=1)
+    finally:
+        ddp_logger.removeHandler(ddp_log)
     params = [p for chunk in chunks for p in chunk.parameters()]
     buffers = [b for chunk in chunks for b in [*chunk.buffers, *chunk.expert_parallel_buffers]]
     record = dict(
-        case=case["name"], tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
+        case=case["name"], ddp_warnings=ddp_log.messages, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
         dp_cp=groups.dp_cp_size,
         num_params=len(params),
         params=sum(p.numel() for p in params),
@@ -145,14 +178,10 @@ def _measure(case, groups, batch):
                           for b in buffers) if case["dist_opt"] else 0,
     )
     calls = []
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, TransformerBlock):
-                _record_checkpointed_saves(module, calls)
-
     rows = slice(groups.dp_rank * BATCH // groups.dp_size, (groups.dp_rank + 1) * BATCH // groups.dp_size)
-    result = train_minibatch(chunks, optimizer, StepBatch(**{k: v[rows] for k, v in batch.items()}), groups=groups,
-                             cfg=_step_config(SCENARIO, MICRO_BATCH), old_log_probs=None)
+    with _recording_checkpointed_saves(calls):
+        result = train_minibatch(chunks, optimizer, StepBatch(**{k: v[rows] for k, v in batch.items()}),
+                                 groups=groups, cfg=_step_config(SCENARIO, MICRO_BATCH), old_log_probs=None)
     record["update_successful"] = result.update_successful
     record["activation_calls"] = calls
 
@@ -295,6 +324,16 @@ def test_total_is_the_unpadded_single_copy_model(measured):
     for case, _ in measured:
         counts = parameter_counts(_model_cfg(case), ParallelSettings(tp=case["tp"], pp=case["pp"]))
         assert counts.total == parameter_counts(_model_cfg(case), ParallelSettings()).total
+
+
+def test_ddp_is_given_the_distributed_optimizers_layout(measured):
+    """megatron-core 0.19's DDP warns and computes the distributed optimizer's parameter layout
+    itself when the caller does not pass `full_param_layout`; training/optimizer.py passes it
+    (0.16 has no such argument and logs nothing either). The buffers it gives are the ones the
+    gradient and optimizer tests measure."""
+    logged = [message for _, ranks in measured for rank in ranks for message in rank["ddp_warnings"]]
+    assert not [m for m in logged if "full_param_layout" in m], logged
+    assert any(case["dist_opt"] and ranks[0]["dp_cp"] == 2 for case, ranks in measured)  # rank 0 built one
 
 
 def test_gradient_buffers_equal_params_times_grad_bytes(measured):

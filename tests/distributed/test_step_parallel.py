@@ -160,8 +160,15 @@ def _torch_step(cfg, weights, data, step_cfg):
     after = {k: v.detach() for k, v in leaves.items()}
     grads["lm_head.weight"], after["lm_head.weight"] = grads["embed.weight"], after["embed.weight"]
     # actor/pg_loss is the policy-gradient term alone; the entropy bonus is its own term
+    # actor/entropy: decoupled mode, pi_old's entropy (the weights before the update) over the response
+    # mask with the recipe's aggregation (verl's agg_loss); bypass mode, the loss's entropy term / -coeff.
+    from megatron_rlcorr.training.losses import aggregate_over_batch
+
+    old_entropy = aggregate_over_batch(entropy.detach(), mask, loss_cfg.loss_agg_mode,
+                                       loss_scale_factor=step_cfg.loss_scale_factor)
     return dict(loss=out.terms["pg_loss"], entropy_loss=out.terms.get("entropy_loss"), metrics=corr.metrics,
-                grads=grads, grad_norm=grad_norm, after=after, old=log_prob.detach(), mask=corr.response_mask)
+                grads=grads, grad_norm=grad_norm, after=after, old=log_prob.detach(), mask=corr.response_mask,
+                old_entropy=None if corr_cfg.bypass_mode else old_entropy)
 
 
 # ---- the Megatron worker ----------------------------------------------------------------------
@@ -209,10 +216,18 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None, optim=None, 
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
     from megatron_rlcorr.training.optimizer import OptimSettings, sync_params
-    from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs, train_minibatch
+    from megatron_rlcorr.training import step as step_module
+    from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs_and_entropy, old_pass_entropy, train_minibatch
 
     enable_cpu_megatron()
     groups = build_parallel_groups(tp, pp, cp, vpp)
+    entropy_flags = []  # compute_entropy of every log-prob call of the update pass
+
+    def spy(*args, **kwargs):
+        entropy_flags.append(kwargs.get("compute_entropy", False))
+        return token_logprobs_and_entropy(*args, **kwargs)
+
+    token_logprobs_and_entropy = step_module.token_logprobs_and_entropy
     rows = slice(groups.dp_rank * BATCH // groups.dp_size, (groups.dp_rank + 1) * BATCH // groups.dp_size)
     results = []
     for scenario, mbs, *packed in runs:
@@ -222,14 +237,22 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None, optim=None, 
                                                                  groups, seed=SEED, total_steps=4)
         batch = StepBatch(**{k: v[rows] for k, v in batches[scenario].items()})
         cfg = _step_config(scenario, mbs, max_tokens)
-        old = None
+        old = old_entropy = None
         if not cfg.correction.bypass_mode:
-            old = compute_old_log_probs(chunks, batch, groups=groups, micro_batch_size=mbs,
-                                        temperature=cfg.temperature, max_tokens_per_micro_batch=max_tokens)
-        result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
+            old, entropy = compute_old_log_probs_and_entropy(chunks, batch, groups=groups, micro_batch_size=mbs,
+                                                             temperature=cfg.temperature,
+                                                             max_tokens_per_micro_batch=max_tokens)
+            old_entropy = None if old is None else old_pass_entropy(entropy, batch, cfg, groups)
+        entropy_flags.clear()
+        step_module.token_logprobs_and_entropy = spy
+        try:
+            result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
+        finally:
+            step_module.token_logprobs_and_entropy = token_logprobs_and_entropy
         unsynced = export_full_weights(chunks, groups)
         sync_params(chunks)
-        results.append(dict(scenario=scenario, dp_rank=groups.dp_rank, old=old, metrics=result.metrics,
+        results.append(dict(scenario=scenario, dp_rank=groups.dp_rank, old=old, old_entropy=old_entropy,
+                            update_entropy_flags=list(entropy_flags), metrics=result.metrics,
                             update_successful=result.update_successful, grads=_export_grads(chunks, groups),
                             after=export_full_weights(chunks, groups), unsynced=unsynced,
                             recompute=chunks[0].config.recompute_granularity))
@@ -258,7 +281,18 @@ def _assert_matches(result, ref, where):
     if ref["entropy_loss"] is not None:
         torch.testing.assert_close(result["metrics"]["actor/entropy_loss"], ref["entropy_loss"], rtol=1e-5,
                                    atol=1e-7, msg=lambda m, w=f"{where} entropy loss": f"{w}: {m}")
-    assert "actor/entropy" in result["metrics"]  # reported whatever entropy_coeff is
+    # The update computes the entropy only for the loss (entropy_coeff != 0); actor/entropy comes from
+    # the pi_old pass, aggregated with loss_agg_mode (decoupled), or from the update's entropy term (bypass).
+    coeff = SCENARIOS[result["scenario"]]["loss"].get("entropy_coeff", 0.0)
+    assert set(result["update_entropy_flags"]) <= {coeff != 0}, where
+    if result["old_entropy"] is not None:
+        torch.testing.assert_close(result["old_entropy"], ref["old_entropy"], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, w=f"{where} pi_old entropy": f"{w}: {m}")
+    if ref["old_entropy"] is None and coeff:
+        torch.testing.assert_close(result["metrics"]["actor/entropy"], ref["entropy_loss"] / -coeff, rtol=1e-5,
+                                   atol=1e-6, msg=lambda m, w=f"{where} update entropy": f"{w}: {m}")
+    else:
+        assert "actor/entropy" not in result["metrics"], where
     # A zero gradient (every token rejected) is no update: training/optimizer.step_optimizer.
     assert result["update_successful"] == (float(ref["grad_norm"]) > 0), where
     for name in ref["grads"]:

@@ -52,8 +52,9 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
         assert 0 < record["rollout_corr/k3_kl"] < 1e-2
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "3"
     step_dir = run_dir / "checkpoints" / "step_000003"
-    names = sorted(p.name for p in step_dir.iterdir())  # a Megatron-Core distributed checkpoint
-    assert {"layout.json", "metadata.json", "common.pt"} <= set(names) and any(n.endswith(".distcp") for n in names)
+    # A Megatron-Core distributed checkpoint (its files per version: test_checkpoint_files_and_marker)
+    names = sorted(p.name for p in step_dir.iterdir())
+    assert {"layout.json", "metadata.json", "checkpoint.json"} <= set(names) and any(n.endswith(".distcp") for n in names)
     assert json.loads((step_dir / "layout.json").read_text()) == {"world_size": 2, "tp": 1, "pp": 1, "cp": 1,
                                                                   "vpp": None}
 
@@ -131,7 +132,9 @@ def test_a_dp2_run_resumes_on_tp2_and_on_pp2(tmp_path):
     import shutil
 
     common = [*SMALL, "name=r", "trainer.steps=2"]
-    run_distributed(train_runs, 2, [(TINY, [*common, f"trainer.output_dir={tmp_path / 'tp'}"])])
+    # Saved in the fully reshardable format: the DP-sharded default resumes only on dp layouts.
+    run_distributed(train_runs, 2, [(TINY, [*common, f"trainer.output_dir={tmp_path / 'tp'}",
+                                         "trainer.optimizer_checkpoint_format=fully_reshardable"])])
     shutil.copytree(tmp_path / "tp", tmp_path / "pp")
     runs = [(TINY, [*common, f"trainer.output_dir={tmp_path / name}", "trainer.steps=3", f"parallel.{name}=2"])
             for name in ("tp", "pp")]

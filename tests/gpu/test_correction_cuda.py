@@ -6,7 +6,8 @@ import torch
 from megatron_rlcorr.config import RolloutCorrectionConfig
 from megatron_rlcorr.correction import compute_rollout_correction
 
-pytestmark = pytest.mark.gpu
+# Each test is a few small tensors on the GPU: seconds (the first one also initialises CUDA).
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(60)]
 
 CONFIGS = {
     "dapo": RolloutCorrectionConfig(rollout_is="sequence", rollout_is_batch_normalize=True, rollout_rs="geometric",

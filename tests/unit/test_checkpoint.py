@@ -1,5 +1,8 @@
 """Which checkpoints may resume where: distributed checkpoints on any layout; per-rank ones (the
 format before them) on the layout that wrote them, with the plain optimizer, else stopped early."""
+import inspect
+import json
+
 import pytest
 import torch
 
@@ -53,10 +56,12 @@ def test_legacy_checkpoint_needs_the_plain_optimizer(tmp_path):
         _check(tmp_path, TP2, distributed_optimizer=True)
 
 
-def test_distributed_checkpoint_is_never_refused(tmp_path):
+def test_distributed_checkpoint_without_a_record_is_never_refused_for_its_layout(tmp_path):
+    """Written before checkpoint.json, in the fully reshardable format (by 0.16: with common.pt)."""
     directory = checkpoint.checkpoint_dir(tmp_path, 3)
     directory.mkdir(parents=True)
     (directory / "metadata.json").write_text("{}")
+    (directory / "common.pt").write_bytes(b"")
     (directory / checkpoint.LAYOUT_FILE).write_text('{"world_size": 2, "tp": 2}')
     (tmp_path / "checkpoints" / "latest").write_text("3\n")
     assert not checkpoint.is_legacy(directory)
@@ -103,3 +108,76 @@ def test_a_started_adam_state_steps_exactly_like_no_state(adam_cls, extra):
     for a, b, before in zip(fresh, started, start):
         assert torch.equal(a, b)
         assert not torch.equal(a, before)  # it did train
+
+
+def _distributed_checkpoint(run_dir, step, *, record=None, common_pt=True, layout=DP2):
+    directory = checkpoint.checkpoint_dir(run_dir, step)
+    directory.mkdir(parents=True)
+    (directory / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    if common_pt:
+        (directory / "common.pt").write_bytes(b"")
+    (directory / checkpoint.LAYOUT_FILE).write_text(json.dumps(layout))
+    if record is not None:
+        (directory / checkpoint.RECORD_FILE).write_text(json.dumps(record))
+    (run_dir / "checkpoints" / "latest").write_text(f"{step}\n")
+    return directory
+
+
+def test_a_checkpoint_from_a_newer_megatron_core_is_refused_naming_both_versions(tmp_path):
+    installed = checkpoint.megatron_core_version()
+    major, minor = checkpoint._release(installed)
+    newer = f"{major}.{minor + 1}.0"
+    directory = _distributed_checkpoint(tmp_path, 5, record={"megatron_core": newer, "optimizer": "distributed",
+                                                             "optimizer_format": "dp_reshardable"})
+    with pytest.raises(ValueError) as info:
+        checkpoint.check_readable(directory)
+    message = str(info.value)
+    assert f"Megatron-Core {newer}" in message and f"megatron-core {installed} is installed" in message
+    assert "forward only" in message and "trainer.resume=false" in message
+    with pytest.raises(ValueError, match=newer):  # and before any process group exists
+        _check(tmp_path, DP2, distributed_optimizer=True)
+    # The same release, or an older one, reads.
+    for writer in (installed, "0.15.0"):
+        (directory / checkpoint.RECORD_FILE).write_text(json.dumps({"megatron_core": writer, "optimizer": "plain",
+                                                                    "optimizer_format": "dp_reshardable"}))
+        checkpoint.check_readable(directory)
+
+
+def test_a_checkpoint_without_common_pt_needs_megatron_core_019(tmp_path):
+    """Written before checkpoint.json by 0.19+ (common state inside the .distcp files)."""
+    directory = _distributed_checkpoint(tmp_path, 2, common_pt=False)
+    with pytest.raises(ValueError) as info:
+        checkpoint.check_readable(directory, installed="0.16.1")
+    assert "0.19 or newer" in str(info.value) and "megatron-core 0.16.1 is installed" in str(info.value)
+    checkpoint.check_readable(directory, installed="0.19.2")
+    checkpoint.check_readable(_distributed_checkpoint(tmp_path, 3), installed="0.16.1")  # has common.pt
+
+
+def test_a_dp_sharded_optimizer_state_resumes_only_on_its_model_parallel_layout(tmp_path):
+    record = {"megatron_core": checkpoint.megatron_core_version(), "optimizer": "distributed",
+              "optimizer_format": "dp_reshardable"}
+    _distributed_checkpoint(tmp_path, 4, record=record, layout=DP2)
+    _check(tmp_path, {**DP2, "world_size": 4}, distributed_optimizer=True)  # another DP size
+    with pytest.raises(ValueError, match="optimizer_checkpoint_format=fully_reshardable"):
+        _check(tmp_path, TP2, distributed_optimizer=True)
+    # The fully reshardable format, and the plain optimizer's per-parameter state, load anywhere.
+    for changed in ({"optimizer_format": "fully_reshardable"}, {"optimizer": "plain"}):
+        (checkpoint.checkpoint_dir(tmp_path, 4) / checkpoint.RECORD_FILE).write_text(json.dumps({**record, **changed}))
+        _check(tmp_path, TP2, distributed_optimizer=True)
+
+
+def test_the_asynchronous_writer_is_megatrons_own_on_every_version():
+    """0.17+ default to async_strategy="nvrx" (nvidia-resiliency-ext); 0.16 has no such argument."""
+    from megatron.core import dist_checkpointing
+
+    def save_017(state, directory, strategy=None, async_sharded_save=False, content_metadata=None,
+                 async_strategy="nvrx"):
+        ...
+
+    def save_016(state, directory, strategy=None, async_sharded_save=False, content_metadata=None):
+        ...
+
+    assert checkpoint.async_options(save_017) == {"async_strategy": "mcore"}
+    assert checkpoint.async_options(save_016) == {}
+    takes_it = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    assert checkpoint.async_options(dist_checkpointing.save) == ({"async_strategy": "mcore"} if takes_it else {})

@@ -1,3 +1,5 @@
+import inspect
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from megatron_rlcorr.parallel.context import (
     split_packed_for_cp,
     zigzag_token_positions,
 )
+from tests.gpu.te import require_transformer_engine
 
 
 def zigzag_positions_by_hand(seq_len, cp_size, cp_rank):
@@ -80,13 +83,28 @@ def test_padded_split_equals_megatron_get_batch_on_this_cp_rank(cp_size, monkeyp
         "rollout_log_probs": -torch.rand(2, seq_len, generator=gen),
         "attention_mask": torch.rand(2, 1, seq_len, seq_len, generator=gen) > 0.5,
     }
+    # megatron-core 0.16 reads the CP size and rank from parallel_state; 0.19 takes is_hybrid_cp
+    # and a cp_group (default WORLD) whose size and rank it asks torch.distributed for.
+    takes_group = "is_hybrid_cp" in inspect.signature(utils.get_batch_on_this_cp_rank).parameters
+    cp_group = object()  # stands for the CP group: no process group exists here
     for rank in range(cp_size):
-        monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp_size)
-        monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
-        theirs = utils.get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()})
+        if takes_group:
+            monkeypatch.setattr(torch.distributed, "get_world_size", lambda group: _of(group, cp_group, cp_size))
+            monkeypatch.setattr(torch.distributed, "get_rank", lambda group: _of(group, cp_group, rank))
+            theirs = utils.get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()}, is_hybrid_cp=False,
+                                                     cp_group=cp_group)
+        else:
+            monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp_size)
+            monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
+            theirs = utils.get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()})
         for key, value in batch.items():
             seq_dim = 2 if key == "attention_mask" else 1
             assert torch.equal(split_for_cp(value, cp_size, rank, seq_dim=seq_dim), theirs[key]), key
+
+
+def _of(group, cp_group, value):
+    assert group is cp_group, "Megatron-Core asked about a group other than the CP group it was given"
+    return value
 
 
 # ---- packed (THD) ----
@@ -176,7 +194,8 @@ def test_packed_split_rejects_misaligned_sequences():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_packed_indices_equal_transformer_engine(cp_size):
-    tex = pytest.importorskip("transformer_engine_torch")
+    require_transformer_engine()  # on a CUDA machine a missing Transformer Engine fails, naming the fix
+    import transformer_engine_torch as tex
     lengths = [7, 1, 13, 2 * cp_size, 5]
     packed = pack_sequences([torch.zeros(n) for n in lengths], cp_pad_multiple(cp_size))
     cu = packed.cu_seqlens_padded.cuda()

@@ -183,7 +183,7 @@ ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
         ("tests/unit/test_make_tiny_hf.py::test_files", "tests/unit/test_make_tiny_hf.py::test_second_run_does_nothing"),
         "10-20 s of warm-up training: its tests build it once (--out a temporary directory) and check every file"),
     "torchrun --nproc_per_node=2 -m megatron_rlcorr.train --config recipes/tiny_hf_cpu.yaml": (
-        (f"{T_HF_RUNS}::test_dataset_run_learns_the_format_and_resumes_with_the_next_prompts",),
+        (f"{T_HF_RUNS}::test_dataset_run_resumes_with_the_next_prompts",),
         "a 2-process training run of minutes"),
     "megatron-rlcorr export --model runs/tiny_hf_cpu --out /tmp/tiny_export --dtype float32": (
         (f"{T_HF_RUNS}::test_export_of_a_run_equals_its_save_hf",),
@@ -217,7 +217,7 @@ ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
         "and the report's parts are tested on their own"),
     "bash tools/demo.sh": (
         ("tests/unit/test_make_tiny_hf.py::test_files",
-         f"{T_HF_RUNS}::test_dataset_run_learns_the_format_and_resumes_with_the_next_prompts",
+         f"{T_HF_RUNS}::test_dataset_run_resumes_with_the_next_prompts",
          f"{T_HF_RUNS}::test_save_hf_writes_a_checkpoint_transformers_loads"),
         "about 35 s of training on 2 cores; its parts (the tiny files, the tiny_hf_cpu run, the export) are tested, "
         "and this file runs tools/summarize_run.py"),

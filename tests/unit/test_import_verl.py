@@ -54,7 +54,9 @@ def test_dapo_script_resolves_the_shell_and_maps_every_section(dapo):
     tree = dapo.tree
     assert list(tree) == ["name", "model", "parallel", "rollout", "data", "algorithm", "optim", "trainer"]
     assert tree["name"] == "DAPO-Qwen2.5-32B-RC-dapo_qwen2_5_32b_rollout_corr"    # $(basename "$0" .sh)
-    assert tree["model"] == {"hf_checkpoint": "/home/tester/verl/models/Qwen2.5-32B", "bf16": True}
+    # offload=True: the actor's megatron.param_offload / grad_offload / optimizer_offload (training/offload.py)
+    assert tree["model"] == {"hf_checkpoint": "/home/tester/verl/models/Qwen2.5-32B", "bf16": True,
+                             "offload_params": True, "offload_grads": True}
     assert tree["parallel"] == {"tp": 8, "pp": 1}
     assert tree["rollout"] == {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 20480, "n": 16}
     assert tree["data"] == {"train_files": ["/home/tester/verl/data/dapo-math-17k.parquet"], "prompt_key": "prompt",
@@ -69,7 +71,8 @@ def test_dapo_script_resolves_the_shell_and_maps_every_section(dapo):
     assert algo["reference"] == {"offload": True}
     assert algo["loss"] == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 10.0,
                             "loss_agg_mode": "token-mean", "entropy_coeff": 0.0}
-    assert tree["optim"] == {"lr": 1e-6, "warmup_steps": 10, "weight_decay": 0.1, "clip_grad": 1.0}
+    assert tree["optim"] == {"lr": 1e-6, "warmup_steps": 10, "weight_decay": 0.1, "clip_grad": 1.0,
+                             "offload_optimizer": True}
     # ppo_mini_batch_size=$((train_prompt_bsz / 16)) with train_prompt_bsz=512
     assert tree["trainer"] == {"steps": 200, "mini_batch_prompts": 32, "max_tokens_per_micro_batch": 45056,
                                "save_every": 5}
@@ -131,7 +134,7 @@ def test_dapo_report_lists(dapo):
 
 def test_report_text_has_the_three_lists(dapo):
     text = format_report(dapo)
-    assert "mapped (48):" in text and "meaning differs (3):" in text and f"not mapped ({len(dapo.unmapped)}):" in text
+    assert "mapped (51):" in text and "meaning differs (3):" in text and f"not mapped ({len(dapo.unmapped)}):" in text
     assert "  data.train_batch_size -> data.prompts_per_step = 512" in text
     assert "  actor_rollout_ref.actor.optim.lr -> optim.lr = 1e-06" in text
     assert f"  actor_rollout_ref.actor.loss_agg_mode: {DIFFERENCES['loss_agg_mode']}" in text

@@ -131,3 +131,68 @@ def test_invalid_arguments_raise():
         token_logprobs_and_entropy(logits, targets[:, :2])
     with pytest.raises(ValueError, match="integer"):
         token_logprobs_and_entropy(logits, targets.float())
+
+
+def _bench():
+    """tools/bench_logprobs.py: the implementation before chunking (its baseline) and its memory probe."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_logprobs.py"
+    spec = importlib.util.spec_from_file_location("bench_logprobs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _forward_backward(fn, logits, targets, g_lp, g_h, temperature, compute_entropy):
+    leaf = logits.detach().clone().requires_grad_()
+    logprob, entropy = fn(leaf, targets, temperature, compute_entropy)
+    objective = (logprob * g_lp).sum() + ((entropy * g_h).sum() if compute_entropy else 0.0)
+    objective.backward()
+    return logprob.detach(), None if entropy is None else entropy.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 7, None, 29, 100])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("compute_entropy", [False, True])
+def test_chunked_equals_the_unchunked_implementation(chunk_tokens, temperature, compute_entropy):
+    """Values and gradients of every chunking equal those of the implementation before chunking."""
+    gen = torch.Generator().manual_seed(5)
+    logits = 4 * torch.randn(29, 61, generator=gen)
+    targets = torch.randint(0, 61, (29,), generator=gen)
+    g_lp, g_h = torch.randn(29, generator=gen), torch.randn(29, generator=gen)
+
+    def chunked(leaf, t, temp, ent):
+        return token_logprobs_and_entropy(leaf, t, temperature=temp, compute_entropy=ent, chunk_tokens=chunk_tokens)
+
+    new = _forward_backward(chunked, logits, targets, g_lp, g_h, temperature, compute_entropy)
+    old = _forward_backward(_bench().unchunked, logits, targets, g_lp, g_h, temperature, compute_entropy)
+    for got, want in zip(new, old):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("compute_entropy", [False, True])
+def test_peak_extra_memory_is_at_most_a_quarter_of_one_fp32_copy(compute_entropy):
+    """Measured with the CPU allocator's events (torch.profiler): forward + backward allocate, beyond
+    the bf16 gradient they return, at most 25% of one float32 copy of the logits (the
+    implementation before chunking: 2, 3 with entropy)."""
+    bench = _bench()
+    tokens, vocab = 256, 2048
+    logits, targets, g_lp, g_h = bench.problem(tokens, vocab, "cpu")
+    copy_bytes, grad_bytes = 4 * tokens * vocab, 2 * tokens * vocab
+
+    def extra(impl):
+        return bench.cpu_peak_bytes(
+            lambda: bench.forward_backward(impl, logits, targets, g_lp, g_h, 0.8, compute_entropy)) - grad_bytes
+
+    assert extra(bench.chunked) <= 0.25 * copy_bytes
+    assert extra(bench.unchunked) >= 2 * copy_bytes  # what the measurement would have caught
+
+
+def test_chunk_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        token_logprobs_and_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), chunk_tokens=0)

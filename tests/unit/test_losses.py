@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from megatron_rlcorr.training.losses import LossConfig, LossNormalizer, global_loss_normalizers, policy_loss, reduce_metric_partials
+from megatron_rlcorr.training.losses import (LossConfig, LossNormalizer, aggregate_over_batch, global_loss_normalizers,
+                                             policy_loss, reduce_metric_partials)
 
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 CONFIGS = {
@@ -274,3 +275,25 @@ def test_missing_inputs_are_reported():
     # policy gradient does not need old_log_prob
     out = policy_loss(args[0], None, *args[2:], LossConfig(loss_type="policy_gradient"), normalizer=token_norm)
     assert "ppo_kl" not in out.metrics and torch.isfinite(out.loss)
+
+
+# ---- aggregate_over_batch (actor/entropy's aggregation) ----
+
+@pytest.mark.parametrize("agg_mode", [*AGG_MODES, "seq-mean-token-sum-norm"])
+def test_aggregate_over_batch_is_agg_loss_of_the_valid_tokens(agg_mode):
+    """verl's agg_loss(values, mask, mode), written sequence by sequence in float64 (the empty
+    sequence counts in no mode; seq-mean-token-sum-norm: sum / (sequences x F), docs/math.md);
+    garbage at masked positions never reaches it."""
+    batch = make_batch(seed=4)
+    seqs = [s["entropy"].double() for s in valid_sequences(batch, requires_grad=())]
+    nonempty = [s for s in seqs if s.numel()]
+    factor = 5.0
+    expected = {
+        "token-mean": sum(s.sum() for s in seqs) / sum(s.numel() for s in seqs),
+        "seq-mean-token-sum": sum(s.sum() for s in nonempty) / len(nonempty),
+        "seq-mean-token-mean": sum(s.mean() for s in nonempty) / len(nonempty),
+        "seq-mean-token-sum-norm": sum(s.sum() for s in nonempty) / (len(nonempty) * factor),
+    }[agg_mode]
+    got = aggregate_over_batch(batch["entropy"], batch["loss_mask"], agg_mode, loss_scale_factor=factor)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)

@@ -66,9 +66,13 @@ def test_memory_terms_by_hand():
     # per token per layer: norm inputs and outputs 8h / 2 (SP) + q,k,v and attention output (4*64 + 4*32) / 2
     # + the MLP 6*128 / 2 = 832 bytes; 2 layers; 512 tokens; the last stage holds 1 micro-batch (1F1B).
     assert memory.activations == 512 * 2 * 832
-    assert memory.logits == 10 * 512 * 1024 / 2
+    # bf16 logits and their bf16 gradient (2 + 2 bytes) + two float32 chunks of 1/16 of the tokens (0.5)
+    assert memory.logits == 4.5 * 512 * 1024 / 2
+    fp32_head = estimate_memory(_hand_recipe("model.fp32_lm_head=true"), 8, 80 * GiB)
+    # float32 logits and gradient (4 + 4) + chunks (0.5), + the output weight's float32 copy and its gradient
+    assert fp32_head.logits == 8.5 * 512 * 1024 / 2 + 8 * (1024 / 2) * 64
     assert memory.rollout == memory.rollout_resident == 276_032 * 2   # the embedded engine's bf16 copy
-    assert memory.total == last * 12 + 512 * 2 * 832 + 10 * 512 * 512 + 276_032 * 2
+    assert memory.total == last * 12 + 512 * 2 * 832 + 4.5 * 512 * 512 + 276_032 * 2
     lagged = estimate_memory(_hand_recipe("rollout.policy_lag=2"), 8, 80 * GiB)  # 3 weight sets
     assert lagged.rollout == lagged.rollout_resident == 3 * 276_032 * 2
     assert lagged.total == memory.total + 2 * 276_032 * 2
@@ -90,7 +94,7 @@ def test_recompute_and_vllm_terms_by_hand():
     assert asleep.rollout == 40 * GiB and asleep.rollout_resident == 0
     assert asleep.total == 69_952 * 12 + 40 * GiB                       # generation is the larger phase
     awake = estimate_memory(with_vllm(sleep_level=0), 8, 80 * GiB)
-    assert awake.total == 69_952 * 12 + 512 * 2 * 832 + 10 * 512 * 512 + 40 * GiB
+    assert awake.total == 69_952 * 12 + 512 * 2 * 832 + 4.5 * 512 * 512 + 40 * GiB
 
 
 @pytest.mark.parametrize("recipe, nodes", CLUSTER_RECIPES, ids=lambda v: getattr(v, "stem", v))

@@ -25,6 +25,37 @@ def test_ci_runs_the_readme_test_command():
         assert (ROOT / script).is_file(), script
 
 
+def test_ci_runs_the_newest_megatron_core_on_the_subset_the_readme_names():
+    ci = (ROOT / ".ci" / "run").read_text()
+    subset = [t.strip('"') for t in re.search(r"MCORE_LATEST_TESTS=\((.*?)\n\)", ci, re.S).group(1).split()]
+    assert 'bash tools/test.sh --mcore-latest "${MCORE_LATEST_TESTS[@]}"' in ci and "set -euo pipefail" in ci
+    assert subset
+    for test in subset:  # a renamed file or test fails here, not only in CI
+        path, _, name = test.partition("::")
+        assert (ROOT / path).is_file(), test
+        assert not name or f"def {name.split('[')[0]}(" in (ROOT / path).read_text(), test
+    tests = (ROOT / "README.md").read_text().split("## Tests", 1)[1].split("\n## ", 1)[0]
+    paragraph = next(p for p in tests.split("\n\n") if "--mcore-latest" in p)
+    assert re.findall(r"`(tests/[^`]+)`", paragraph) == subset
+
+
+def test_the_test_command_fails_when_pytest_collects_nothing():
+    """pytest's exit 5 (no test collected: a mistyped path or -k) fails tools/test.sh, and so CI.
+    Run in the environment running this test (its stamp is current: nothing is installed)."""
+    import os
+    import subprocess
+    import sys
+
+    venv = Path(sys.prefix)
+    if not (venv / ".rlcorr-installed").is_file():
+        pytest.skip("not running in an environment that tools/_env.sh built")
+    env = {**os.environ, "RLCORR_VENV": str(venv)}
+    out = subprocess.run(["bash", "tools/test.sh", "tests/unit/test_readme.py", "-k", "no_test_is_named_this"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 5, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "[env] installing" not in out.stdout
+
+
 def test_the_hugging_face_recipe_example_loads(tiny_hf, tmp_path):
     """The README's recipe for a Hugging Face checkpoint and a parquet file, with its placeholder
     paths pointed at the tiny files, loads and passes the launch checks for 8 processes."""

@@ -34,6 +34,27 @@ def test_fillers_take_part_in_no_mean():
     assert metrics["dynamic_sampling/num_gen_batches"] == 3.0
 
 
+def test_a_batch_of_fillers_only_reports_what_was_generated():
+    """Dynamic sampling found no informative group: the whole batch is fillers. Length and
+    truncation describe those generated responses, not an empty mean (0 tokens, all truncated)."""
+    fillers = _groups([[1.0, 1.0], [-1.0, -1.0]], lengths=[3, 6, 4, 4], filler=True)
+    fillers.finish_reasons[1] = "length"  # one of the four hit max_new_tokens
+    stats = SamplingStats(gen_batches=2, informative_fraction=0.0, filler_fraction=1.0, generated_groups=4,
+                          exhausted=True)
+    metrics = _rollout_metrics(rollout_stats(fillers, fillers, stats, torch.tensor(0), {"long": 0, "bad": 0}, 17))
+    assert metrics["response_length_mean"] == (3 + 6 + 4 + 4) / 4
+    assert metrics["response_length_max"] == 6.0
+    assert metrics["response/clip_fraction"] == 0.25
+    assert metrics["dynamic_sampling/filler_fraction"] == 1.0  # the step says its batch held no real sample
+    # with one real sample, the fillers are out again
+    real = _groups([[1.0, -1.0]], lengths=[2, 2])
+    real.finish_reasons[:] = ["length", "eos"]
+    batch = RolloutGroups.concat([real, fillers])
+    metrics = _rollout_metrics(rollout_stats(batch, batch, stats, torch.tensor(0), {"long": 0, "bad": 0}, 21))
+    assert metrics["response_length_mean"] == 2.0 and metrics["response_length_max"] == 2.0
+    assert metrics["response/clip_fraction"] == 0.5
+
+
 def test_step_extremes_of_per_update_correction_metrics():
     values = [torch.tensor(1.5), torch.tensor(3.0), torch.tensor(0.5)]
     assert combine_over_updates("rollout_corr/rollout_is_seq_max", values) == 3.0

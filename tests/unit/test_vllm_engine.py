@@ -1,9 +1,13 @@
 """The vLLM engine adapter against tests/vllm_standin, a stand-in with vLLM 0.25.1's surface: the
 engine arguments, the sampling parameters, the weight names/shapes/dtypes the trainer streams,
-the sleep/wake order, and the log-prob, EOS, truncation and padded-vocabulary rules."""
+the sleep/wake order, the log-prob, EOS, truncation and padded-vocabulary rules, every sync checked
+complete, the process's RNG states kept, the model reached through get_model(); and the stand-in's
+own behaviours that follow vLLM's default runner."""
 from __future__ import annotations
 
 import importlib.metadata
+import logging
+import random
 import sys
 from pathlib import Path
 
@@ -114,13 +118,18 @@ def test_sampling_params_logprob_readout_eos_and_padded_rows(vllm, tiny_hf):
 
 
 def test_a_response_capped_on_an_eos_token_ended_by_eos(vllm, tiny_hf):
-    """vLLM checks the length cap first and calls it "length"; the embedded engine and we say "eos"."""
+    """vLLM checks the stop tokens before the length cap ("stop"); the embedded engine and we say "eos"."""
     engine, tok = _engine(tiny_hf, temperature=0.0, n=1)  # greedy: vLLM allows n = 1 only
     weights = _checkpoint(tiny_hf)
     weights["lm_head.weight"][tok.eos_ids[0]] += 1e4  # greedy picks EOS at once
     engine.load_weights(weights)
     out = engine.sample_groups([[1, 5]], n=1, seeds=[0], max_new_tokens=1, temperature=0.0)
     assert out.response_ids == [[tok.eos_ids[0]]] and out.finish_reasons == ["eos"]
+    from vllm import SamplingParams
+
+    sample, = engine.llm.generate([{"prompt_token_ids": [1, 5]}], SamplingParams(
+        temperature=0.0, max_tokens=1, seed=0, stop_token_ids=list(tok.eos_ids)))[0].outputs
+    assert (sample.finish_reason, sample.stop_reason) == ("stop", tok.eos_ids[0])
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -171,7 +180,7 @@ def _train_with_standin(rank, world_size, overrides):
     try:
         trainer = Trainer(recipe, groups)
         run_dir = trainer.run()
-        model = trainer.engine.llm.worker.model_runner.model
+        model = trainer.engine.llm.worker.model_runner.get_model()
         expected = {k: v for k, v in model.expected.items() if not (model.tied and k == "lm_head.weight")}
         return list(standin.CALLS), model.loaded, expected, read_metrics(run_dir)
     finally:
@@ -254,10 +263,11 @@ def test_fp8_weights_are_reloaded_through_the_layerwise_reload(vllm, tiny_hf):
     """Online fp8 keeps processed (transposed fp8 + scale) linear weights: each sync must go through
     vLLM's layerwise reload, under its current config, so the new values are what gets quantised."""
     engine, _ = _engine(tiny_hf, precision="fp8", sleep_level=2)
-    model = engine.llm.worker.model_runner.model
+    model = engine.llm.worker.model_runner.get_model()
     linear = [name for name in model.expected if name.endswith("_proj.weight")]
     assert linear and set(model.fp8) == set(linear)
     checkpoint = {k: v.to(torch.bfloat16) for k, v in _checkpoint(tiny_hf).items()}
+    engine.llm.collective_rpc("begin_weight_sync", args=(False,))  # a plain (not layerwise) sync
     with pytest.raises(RuntimeError, match="processed fp8 parameter"):  # the stand-in does check: a plain load fails
         engine.llm.collective_rpc("load_weight_pairs", args=([(linear[0], checkpoint[linear[0]])],))
     for values in (checkpoint, {k: -v for k, v in checkpoint.items()}):  # a second sync replaces the first
@@ -268,3 +278,170 @@ def test_fp8_weights_are_reloaded_through_the_layerwise_reload(vllm, tiny_hf):
         for name in linear:
             torch.testing.assert_close(model.dequantized(name), values[name].float(), rtol=0.07, atol=1e-6)
         assert len(engine.sample_groups([[1, 2]], n=2, seeds=[0], max_new_tokens=3)) == 2
+
+
+# --- every sync checked complete --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_sync_that_misses_weights_raises_naming_them(vllm, tiny_hf, caplog, precision):
+    """vLLM itself keeps the old (here: dropped, NaN) tensors of what a sync did not bring, with a
+    warning at most; the adapter compares the names load_weights reported over the whole sync (one
+    call per tensor here) with the model's parameters."""
+    engine, _ = _engine(tiny_hf, precision=precision, sleep_level=2)
+    checkpoint = {k: v.to(torch.bfloat16) for k, v in _checkpoint(tiny_hf).items()}
+    engine.load_weights(checkpoint)  # complete, over one rpc per tensor
+    left_out = ["model.layers.1.mlp.down_proj.weight", "model.norm.weight"]
+    engine.sleep()
+    engine.wake_up(["weights"])
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        with pytest.raises(RuntimeError, match=r"left 2 of the model's parameters without a tensor: "
+                                               r"model\.layers\.1\.mlp\.down_proj\.weight, model\.norm\.weight\."):
+            engine.load_weights({k: v for k, v in checkpoint.items() if k not in left_out})
+    if precision == "fp8":  # vLLM's reload only warns: without our check the run would go on
+        assert "model.layers.1.mlp.down_proj.weight: Failed to load weights" in caplog.text
+    engine.wake_up(["kv_cache"])
+    with pytest.raises(RuntimeError, match="a sync did not finish"):
+        engine.sample_groups([[1, 2]], n=1, seeds=[0], max_new_tokens=2)
+    engine.load_weights(checkpoint)  # the next complete sync is accepted
+    out = engine.sample_groups([[1, 2]], n=2, seeds=[0], max_new_tokens=3)
+    assert all(torch.isfinite(lp).all() for lp in out.logprobs)
+
+
+def test_the_completeness_check_ignores_kv_cache_scales_and_a_tied_head(vllm, tiny_hf):
+    """fp8 attention registers KV-cache scale parameters no checkpoint has; a tied head is the embedding."""
+    from megatron_rlcorr.rollout.vllm_engine import _checkpoint_parameter_names
+
+    engine, _ = _engine(tiny_hf, precision="fp8")
+    model = engine.llm.worker.model_runner.get_model()
+    assert model.kv_scales and set(model.kv_scales) <= {name for name, _ in model.named_parameters()}
+    assert _checkpoint_parameter_names(model) == set(model.expected) | {
+        name.removesuffix("weight") + "weight_scale" for name in model.fp8}  # outside a reload: processed
+    model.tied = True
+    assert "lm_head.weight" not in _checkpoint_parameter_names(model)
+
+
+# --- the process's RNG states, get_model(), the temperature floor ------------------------------------
+
+
+def _rng_states():
+    import numpy as np
+
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _assert_same_rng(a, b):
+    assert a[0] == b[0]
+    assert all((x == y).all() if hasattr(x, "all") else x == y for x, y in zip(a[1], b[1]))
+    assert torch.equal(a[2], b[2])
+
+
+def test_building_the_engine_leaves_the_process_rng_states_as_they_were(vllm, tiny_hf):
+    import numpy as np
+
+    random.seed(1234), np.random.seed(1234), torch.manual_seed(1234)
+    before = _rng_states()
+    vllm.LLM(str(tiny_hf / "model"), seed=5)  # vLLM itself reseeds them all with its seed
+    with pytest.raises(AssertionError):
+        _assert_same_rng(before, _rng_states())
+    random.seed(1234), np.random.seed(1234), torch.manual_seed(1234)
+    _engine(tiny_hf)
+    _assert_same_rng(before, _rng_states())
+
+
+def test_the_adapter_reaches_the_model_through_get_model(vllm, tiny_hf):
+    """The stand-in's runner holds the model inside a CUDA-graph wrapper, as vLLM's V1 runner can."""
+    engine, _ = _engine(tiny_hf)
+    runner = engine.llm.worker.model_runner
+    assert not hasattr(runner.model, "load_weights") and runner.get_model() is runner.model.unwrap()
+    engine.load_weights(_checkpoint(tiny_hf))
+    out = engine.sample_groups([[1, 2]], n=4, seeds=[0], max_new_tokens=4)
+    assert max(max(ids) for ids in out.response_ids) < TOKENS  # the padded rows masked on the model itself
+
+
+def test_a_temperature_vllm_would_raise_is_refused_at_recipe_load(vllm, tiny_hf, tmp_path):
+    from megatron_rlcorr.recipe import load_recipe
+
+    recipe_file = Path(__file__).resolve().parents[2] / "recipes" / "tiny_hf_cpu.yaml"
+    base = _recipe_overrides(tiny_hf, tmp_path)
+    with pytest.raises(ValueError, match=r"rollout.temperature=0.005: vLLM samples any temperature below 0.01 at "
+                                         r"0.01 while the trainer divides its logits by 0.005"):
+        load_recipe(recipe_file, [*base, "rollout.temperature=0.005"])
+    for ok in ("0.01", "0.0"):
+        assert load_recipe(recipe_file, [*base, f"rollout.temperature={ok}"]).rollout.temperature == float(ok)
+    embedded = [o for o in base if o != "rollout.engine=vllm"]
+    assert load_recipe(recipe_file, [*embedded, "rollout.temperature=0.005"]).rollout.temperature == 0.005
+    engine, _ = _engine(tiny_hf)
+    engine.load_weights(_checkpoint(tiny_hf))
+    with pytest.raises(ValueError, match="vLLM would sample at 0.01"):
+        engine.sample_groups([[1, 2]], n=1, seeds=[0], max_new_tokens=2, temperature=0.005)
+
+
+# --- the stand-in follows vLLM 0.25.1's default runner ------------------------------------------------
+
+
+def test_standin_sampling_params_validate_as_vllm(vllm, caplog):
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        assert vllm.SamplingParams(temperature=0.004).temperature == 0.01  # raised, not refused
+    assert "maxed it out to 0.01" in caplog.text
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\]"):
+        vllm.SamplingParams(temperature=2.5)
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\]"):
+        vllm.SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):
+        vllm.SamplingParams(n=2, temperature=0.0)
+    assert vllm.SamplingParams(top_k=5).top_k == 5
+    with pytest.raises(ValueError, match="top_k must be 0"):
+        vllm.SamplingParams(top_k=-2)
+    greedy = vllm.SamplingParams(temperature=0.0, top_k=5, top_p=0.5)
+    assert (greedy.top_k, greedy.top_p) == (0, 1.0)
+
+
+def test_standin_samples_within_top_k_and_reports_processed_logprobs(vllm, tiny_hf):
+    llm = vllm.LLM(str(tiny_hf / "model"), logprobs_mode="processed_logprobs")
+    model = llm.worker.model_runner.get_model()
+    params = vllm.SamplingParams(n=8, temperature=0.7, top_k=3, max_tokens=4, logprobs=0, seed=3)
+    out, = llm.generate([{"prompt_token_ids": [1, 5]}], params)
+    for sample in out.outputs:
+        for previous, token, step in zip([5, *sample.token_ids[:-1]], sample.token_ids, sample.logprobs):
+            logits = model.compute_logits(model.hidden(previous))[0] / 0.7
+            top = logits.topk(3).indices
+            assert token in top.tolist()
+            expected = torch.log_softmax(logits[top], dim=-1)[top.tolist().index(token)]
+            assert step[token].logprob == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_standin_wake_up_with_a_tag_not_asleep_is_ignored_whole(vllm, tiny_hf, caplog):
+    llm = vllm.LLM(str(tiny_hf / "model"), enable_sleep_mode=True)
+    llm.sleep(level=1)
+    llm.wake_up(["weights"])
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        llm.wake_up(["weights", "kv_cache"])
+    assert "Tag weights is not in sleeping tags" in caplog.text and llm.asleep == {"kv_cache"}
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        llm.generate([{"prompt_token_ids": [1]}], vllm.SamplingParams(seed=0))
+
+
+def test_standin_allows_one_sleep_mode_engine_per_process(vllm, tiny_hf):
+    vllm.LLM(str(tiny_hf / "model"), enable_sleep_mode=True)
+    with pytest.raises(AssertionError, match="one instance per process"):
+        vllm.LLM(str(tiny_hf / "model"), enable_sleep_mode=True)
+
+
+def test_standin_incomplete_fp8_reload_warns_and_keeps_the_old_tensors(vllm, tiny_hf, caplog):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    llm = vllm.LLM(str(tiny_hf / "model"), quantization="fp8")
+    model = llm.worker.model_runner.get_model()
+    checkpoint = _checkpoint(tiny_hf)
+    skipped = "model.layers.0.mlp.up_proj.weight"
+    old = model.dequantized(skipped)
+    with set_current_vllm_config(llm.worker.model_runner.vllm_config), caplog.at_level(logging.WARNING, "vllm"):
+        initialize_layerwise_reload(model)
+        model.load_weights((k, v) for k, v in checkpoint.items() if k != skipped)
+        finalize_layerwise_reload(model, llm.worker.model_config)
+    assert f"{skipped}: Failed to load weights" in caplog.text
+    torch.testing.assert_close(model.dequantized(skipped), old)
+    name = "model.layers.0.mlp.down_proj.weight"
+    torch.testing.assert_close(model.dequantized(name), checkpoint[name], rtol=0.07, atol=1e-6)

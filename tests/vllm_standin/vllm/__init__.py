@@ -2,23 +2,27 @@
 
 vLLM cannot be installed on the CPU machines (it pins a CUDA torch), so the adapter's unit tests
 put this package first on sys.path (with its dist-info, so importlib.metadata reports 0.25.1).
-It keeps the real surface, written from vLLM's source (entrypoints/llm.py, sampling_params.py,
-outputs.py, v1/core/sched/utils.py check_stop, v1/engine/parallel_sampling.py,
-v1/worker/worker_base.py): the same constructor and method names and keywords, the same output
-objects, the same stop rule (the length cap is checked before EOS), seed + j for sample j of a
-request, the worker extension mixed into the worker class, sleep levels and wake-up tags, and
-online fp8's processed weights with the layerwise reload (model_executor/model_loader/reload).
+It keeps the real surface and the behaviours the adapter depends on, each written from the 0.25.1
+source (named at each class or method below; nothing of it is copied): the constructor and method
+names and keywords, the output objects, SamplingParams' validation, the default (V2) model
+runner's sampling and the scheduler's stop rule, seed + j for sample j of a request, the worker
+extension mixed into the worker class, the reseeding of the process's RNGs while the engine starts,
+one sleep-mode engine per process, sleep levels and wake-up tags, and online fp8's processed
+weights with the layerwise reload (model_executor/model_loader/reload).
 
 Its "model" is a bigram language model made of the loaded Hugging Face weights
 (logits = embed[last token] @ lm_head.T, in float32), so a test can recompute every log-prob;
 it checks the loaded names, shapes and dtypes against the checkpoint's safetensors. Every call is
-appended to `CALLS` as (method, details).
+appended to `CALLS` as (method, details); vLLM's warnings go to the `logging` logger "vllm".
 """
 from __future__ import annotations
 
 import importlib
 import json
+import logging
+import math
 import os
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,19 +32,51 @@ import torch
 __version__ = "0.25.1"
 CALLS: list[tuple[str, Any]] = []
 _LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+_MAX_TEMP = 1e-2       # sampling_params.py: the smallest temperature vLLM samples with
+_SAMPLING_EPS = 1e-5   # sampling_params.py: below it a request is greedy
+logger = logging.getLogger("vllm")
+_sleep_pool_in_use = False  # device_allocator/cumem.py's allocator: one per process
 
 
 class SamplingParams:
+    """sampling_params.py SamplingParams: `__post_init__` raises a temperature in (0, 0.01) to 0.01
+    (a warning, no error), then `_verify_args` checks the ranges (temperature in [0, 2], top_p in
+    (0, 1], top_k 0 or -1 (off) or >= 1, ...), then a greedy request (temperature < 1e-5) has top-p
+    and top-k reset and must have n == 1 (`_verify_greedy_sampling`). `ignore_eos` concerns the
+    tokenizer's own EOS, which the engine adds (not modelled here: the adapter passes every end id
+    in stop_token_ids, which stop a response whatever ignore_eos says)."""
+
     def __init__(self, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  max_tokens: int | None = 16, logprobs: int | None = None, seed: int | None = None,
                  stop_token_ids: list[int] | None = None, detokenize: bool = True, ignore_eos: bool = False) -> None:
-        if n < 1 or temperature < 0 or not 0 < top_p <= 1 or (logprobs is not None and logprobs < 0):
-            raise ValueError("invalid sampling parameters")
-        if top_k not in (0, -1):
-            raise NotImplementedError("the stand-in samples without top-k")
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
         self.max_tokens, self.logprobs, self.seed = max_tokens, logprobs, seed
         self.stop_token_ids, self.detokenize, self.ignore_eos = list(stop_token_ids or []), detokenize, ignore_eos
+        if 0 < self.temperature < _MAX_TEMP:
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in "
+                           "tensors. We have maxed it out to %s.", self.temperature, _MAX_TEMP, _MAX_TEMP)
+            self.temperature = _MAX_TEMP
+        self._verify_args()
+        if self.temperature < _SAMPLING_EPS:
+            self.top_p, self.top_k = 1.0, 0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def _verify_args(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.logprobs is not None and self.logprobs != -1 and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        if not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
 
 
 @dataclass
@@ -71,15 +107,22 @@ class RequestOutput:
 
 
 class _Model:
-    """model_runner.model: load_weights(iterable of (HF name, tensor)) and compute_logits.
+    """The vLLM model (what `model_runner.get_model()` returns): `load_weights(iterable of (HF name,
+    tensor))` returning the names it loaded, `named_parameters()` and `compute_logits`.
 
-    With quantization="fp8", as vLLM's online fp8: after loading, every linear weight (`*_proj.weight`)
-    is replaced by its transposed float8_e4m3fn values and a per-tensor scale (`fp8`); loading a
-    checkpoint tensor into one then fails unless a layerwise reload is active, and
-    `finish_reload` quantises what the reload brought (every linear weight must have come)."""
+    With quantization="fp8", as vLLM's online fp8 (model_executor/layers/quantization/online/fp8.py):
+    after loading, every linear weight (`*_proj.weight`) is replaced by its transposed float8_e4m3fn
+    values and a per-tensor `weight_scale`; loading a checkpoint tensor into one then fails unless a
+    layerwise reload is active. The attention layers also carry KV-cache scale parameters
+    (`KVCacheScaleParameter`, no checkpoint tensor: layers/attention/attention.py,
+    quantization/kv_cache.py). `finish_reload` quantises what the reload brought; a weight that did
+    not come keeps its old values with a warning, as reload/layerwise.py's
+    `finalize_layerwise_processing` ("Failed to load weights") does: nothing raises."""
 
     def __init__(self, checkpoint: Path, quantization: str | None = None) -> None:
         from safetensors import safe_open
+
+        from .model_executor.layers.quantization.kv_cache import KVCacheScaleParameter
 
         config = json.loads((checkpoint / "config.json").read_text())
         self.tied = bool(config.get("tie_word_embeddings", False))
@@ -91,8 +134,11 @@ class _Model:
         self.loaded: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self.quantized = quantization == "fp8"
         self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kv_scales: dict[str, torch.nn.Parameter] = {}
         self.reloading: set[str] | None = None
         if self.quantized:
+            self.kv_scales = {f"model.layers.{i}.self_attn.attn.{kind}_scale": KVCacheScaleParameter()
+                              for i in range(config["num_hidden_layers"]) for kind in ("q", "k", "v", "prob")}
             self._quantize(self._linear_names())
 
     def _linear_names(self) -> list[str]:
@@ -108,15 +154,32 @@ class _Model:
         values, scale = self.fp8[name]
         return values.t().float() * scale
 
+    def named_parameters(self):
+        """The model's parameters: while a layerwise reload is open, in checkpoint format (on the
+        meta device, as reload/meta.py's `restore_layer_on_meta` leaves them); a tied head is the
+        embedding's tensor, listed once."""
+        for name, shape in self.expected.items():
+            if self.tied and name == "lm_head.weight":
+                continue
+            if self.reloading is not None and name in self.fp8:
+                yield name, torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+            elif name in self.fp8:
+                values, scale = self.fp8[name]
+                yield name, torch.nn.Parameter(values, requires_grad=False)
+                yield name.removesuffix("weight") + "weight_scale", torch.nn.Parameter(scale, requires_grad=False)
+            else:
+                yield name, torch.nn.Parameter(self.weights[name], requires_grad=False)
+        yield from self.kv_scales.items()
+
     def begin_reload(self) -> None:
         self.reloading = set()
 
     def finish_reload(self) -> None:
         assert self.reloading is not None, "finalize_layerwise_reload without initialize_layerwise_reload"
-        linear = self._linear_names()
-        missing = sorted(set(linear) - self.reloading)
-        assert not missing, f"layerwise reload finalized before these weights came: {missing}"
-        self._quantize(linear)
+        for name in self.expected:
+            if name not in self.reloading and not (self.tied and name == "lm_head.weight"):
+                logger.warning("%s: Failed to load weights", name)  # the old tensors stay
+        self._quantize([name for name in self._linear_names() if name in self.reloading])
         self.reloading = None
 
     def load_weights(self, weights) -> set[str]:
@@ -142,21 +205,57 @@ class _Model:
         return self.weights["model.embed_tokens.weight"][token][None]
 
 
+class _GraphWrapped:
+    """What a model runner may hold as `model`: the model inside a CUDA-graph wrapper (the V1 runner's
+    CUDAGraphWrapper / UBatchWrapper, compilation/cuda_graph.py), which `get_model()` unwraps
+    (v1/worker/gpu_model_runner.py GPUModelRunner.get_model). Stricter than vLLM's wrapper, which
+    passes attribute reads on to the model: here anything that reaches past get_model() fails."""
+
+    def __init__(self, model: _Model) -> None:
+        self._runnable = model
+
+    def unwrap(self) -> _Model:
+        return self._runnable
+
+
+class _ModelRunner:
+    def __init__(self, model: _Model, vllm_config: Any) -> None:
+        self.model = _GraphWrapped(model)
+        self.vllm_config = vllm_config
+
+    def get_model(self) -> _Model:
+        return self.model.unwrap()
+
+
 class _Worker:
-    """gpu_worker.Worker's attributes the extension reads: device, model_config, model_runner.{model,
+    """gpu_worker.Worker's attributes the extension reads: device, model_config, model_runner.{get_model(),
     vllm_config}."""
 
     def __init__(self, model: _Model, kwargs: dict) -> None:
         self.device = torch.device("cpu")
         self.model_config = type("ModelConfig", (), dict(model=kwargs["model"], dtype=kwargs["dtype"]))()
-        self.model_runner = type("ModelRunner", (), {})()
-        self.model_runner.model = model
-        self.model_runner.vllm_config = type("VllmConfig", (), dict(model_config=self.model_config))()
+        vllm_config = type("VllmConfig", (), dict(model_config=self.model_config))()
+        self.model_runner = _ModelRunner(model, vllm_config)
 
 
 def _resolve(qualname: str) -> type:
     module, _, name = qualname.rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+def _set_random_seed(seed: int | None) -> None:
+    """utils/torch_utils.py set_random_seed, which the GPU worker calls with the engine's seed while
+    the engine starts (v1/worker/gpu_worker.py: init_device and compile_or_warm_up_model): python,
+    numpy, torch and every CUDA device, the same seed on every rank."""
+    if seed is None:
+        return
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
 
 
 class LLM:
@@ -165,6 +264,7 @@ class LLM:
                  seed: int = 0, enable_sleep_mode: bool = False, distributed_executor_backend: str | None = None,
                  logprobs_mode: str = "raw_logprobs", load_format: str = "auto", worker_extension_cls: str = "",
                  enable_prefix_caching: bool | None = None) -> None:
+        global _sleep_pool_in_use
         if logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode}")
         if distributed_executor_backend == "external_launcher":
@@ -178,6 +278,13 @@ class LLM:
                            load_format=load_format, worker_extension_cls=worker_extension_cls,
                            enable_prefix_caching=enable_prefix_caching)
         CALLS.append(("LLM", self.kwargs))
+        if enable_sleep_mode:
+            # Sleep mode allocates through one process-wide pool (config/model.py turns on the cumem
+            # allocator); a second engine's weights find it in use (v1/worker/gpu_worker.py
+            # _maybe_get_memory_pool_context).
+            assert not _sleep_pool_in_use, "CuMem allocator can only be used for one instance per process."
+            _sleep_pool_in_use = True
+        _set_random_seed(seed)
         bases = (_Worker, _resolve(worker_extension_cls)) if worker_extension_cls else (_Worker,)
         self.worker = type("Worker", bases, {})(_Model(Path(model), quantization), self.kwargs)
         self.asleep: set[str] = set()
@@ -192,18 +299,31 @@ class LLM:
         return True
 
     def sleep(self, level: int = 1) -> None:
+        """v1/executor/abstract.py Executor.sleep: a second sleep is ignored with a warning."""
         if not self.kwargs["enable_sleep_mode"]:
             raise ValueError("Sleep mode is not enabled")
         CALLS.append(("sleep", level))
+        if self.asleep:
+            logger.warning("Executor is already sleeping.")
+            return
         self.asleep = {"weights", "kv_cache"}
         if level == 2:  # the weights are dropped: whatever is read before a reload is garbage
-            model = self.worker.model_runner.model
+            model = self.worker.model_runner.get_model()
             model.weights = {k: torch.full_like(v, float("nan")) for k, v in model.weights.items()}
             model.fp8 = {k: (v, torch.full_like(scale, float("nan"))) for k, (v, scale) in model.fp8.items()}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
+        """v1/executor/abstract.py Executor.wake_up: not sleeping, or any named tag not asleep, and
+        the whole call is ignored with a warning (the tags that are asleep stay asleep)."""
         CALLS.append(("wake_up", list(tags or [])))
-        self.asleep -= set(tags or ("weights", "kv_cache"))
+        if not self.asleep:
+            logger.warning("Executor is not sleeping.")
+            return
+        for tag in tags or ():
+            if tag not in self.asleep:
+                logger.warning("Tag %s is not in sleeping tags %s", tag, self.asleep)
+                return
+        self.asleep -= set(tags or self.asleep)
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True, **unused) -> list[RequestOutput]:
         if self.asleep:
@@ -215,13 +335,22 @@ class LLM:
                 for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def _sample(self, prompt: list[int], sp: SamplingParams, index: int) -> CompletionOutput:
-        model = self.worker.model_runner.model
-        generator = torch.Generator().manual_seed(sp.seed + index)  # parallel_sampling: child seed = seed + index
+        """One sample, a token at a time: the default (V2) runner's sampler (v1/worker/gpu/sample/
+        sampler.py: temperature, then top-k and top-p on the tempered logits; processed log-probs are
+        those of the result), the child seed of parallel sampling (v1/engine/parallel_sampling.py),
+        and the scheduler's stop rule (v1/core/sched/utils.py check_stop: a stop token first, then
+        the length cap, so a response capped on an end token has finish_reason "stop")."""
+        model = self.worker.model_runner.get_model()
+        generator = torch.Generator().manual_seed(sp.seed + index)
+        max_model_len = self.kwargs["max_model_len"]
         tokens, logprobs, last = [], [], prompt[-1]
         finish, stop_reason = None, None
         while finish is None:
             raw = model.compute_logits(model.hidden(last))[0]
-            logp = torch.log_softmax(raw / sp.temperature if sp.temperature > 0 else raw, dim=-1)
+            tempered = raw / sp.temperature if sp.temperature > 0 else raw
+            if 0 < sp.top_k < tempered.numel():
+                tempered = tempered.masked_fill(tempered < tempered.topk(sp.top_k).values[-1], float("-inf"))
+            logp = torch.log_softmax(tempered, dim=-1)
             if sp.top_p < 1:
                 order = logp.argsort(descending=True)
                 mass_before = logp[order].exp().cumsum(0) - logp[order].exp()
@@ -231,9 +360,10 @@ class LLM:
             tokens.append(last)
             reported = logp if self.kwargs["logprobs_mode"] == "processed_logprobs" else torch.log_softmax(raw, -1)
             logprobs.append({last: Logprob(float(reported[last]))})
-            if len(tokens) >= sp.max_tokens:  # check_stop: the length cap first
-                finish = "length"
-            elif last in sp.stop_token_ids and not sp.ignore_eos:
+            if last in sp.stop_token_ids:
                 finish, stop_reason = "stop", last
+            elif len(tokens) >= sp.max_tokens or (max_model_len is not None
+                                                  and len(prompt) + len(tokens) >= max_model_len):
+                finish = "length"
         return CompletionOutput(index, "", tokens, None, logprobs if sp.logprobs is not None else None, finish,
                                 stop_reason)

@@ -1,8 +1,9 @@
 """Stand-in of vllm.model_executor.model_loader.reload (vLLM 0.25.1's layerwise reload): with
 `initialize_layerwise_reload(model)` a model whose weights were processed after loading (online
 fp8) takes checkpoint-format tensors again, and `finalize_layerwise_reload(model, model_config)`
-processes them. Both need the current vLLM config, as the real ones do; both are recorded in
-vllm.CALLS."""
+processes them (reload/layerwise.py). Both need the current vLLM config, as the real ones do; both
+are recorded in vllm.CALLS. As the real one, finalizing an incomplete reload only warns ("Failed to
+load weights") and keeps the old tensors of what did not come."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The GPU check, one command on a machine with one GPU (8 minutes at most: the steps' time limits
+# add up to 470 s; they are set from the steps' sizes and have not been timed on a GPU yet):
+#
+#     bash tools/gpu_check.sh [OUT_DIR]        # default OUT_DIR: gpu_check
+#
+# runs the GPU tier of the suite (pytest -m gpu) and the GPU benchmarks, each under its own time
+# limit, carrying on past a failure, and writes OUT_DIR/gpu_check.md: the device, the versions,
+# each step's status and time, and each benchmark's figures (every table names its device), with
+# every step's full output beside it in OUT_DIR/<step>.log. Exits 1 when any step failed.
+#
+# It runs in the Python environment the project is installed in: .venv when there is one (`bash
+# tools/test.sh` builds it), else python3 on PATH (e.g. a GPU machine where Megatron-Core and
+# Transformer Engine were staged offline and the project installed with `pip install --no-deps -e .`).
+# PYTHON=... overrides. Transformer Engine must be importable: without it the TE tests fail, naming
+# the fix.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_check}
+mkdir -p "$OUT"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SUMMARY="$OUT/gpu_check.md"
+
+# name | time limit (s) | command. The limits add up to 470 s: under 8 minutes with the start-up.
+# Each benchmark is a small model or a few tensors: its time is mostly imports and CUDA/NCCL start-up.
+STEPS=(
+  "gpu_tier|300|$PYTHON -m pytest -m gpu tests -q -ra"
+  "bench_correction|34|$PYTHON tools/bench_correction.py --floor --device cuda"
+  "bench_packing|34|$PYTHON tools/bench_packing.py --device cuda"
+  "bench_recompute|34|$PYTHON tools/bench_recompute.py --device cuda"
+  "bench_logprobs|34|$PYTHON tools/bench_logprobs.py --device cuda"
+  "bench_logprobs_fp32_lm_head|34|$PYTHON tools/bench_logprobs.py --lm-head --device cuda"
+)
+
+device=$("$PYTHON" -c "import torch; assert torch.cuda.is_available(); print(torch.cuda.get_device_name(0))" 2>/dev/null)
+if [ -z "$device" ]; then
+  echo "gpu_check: $PYTHON sees no CUDA GPU (torch.cuda.is_available() is False); run it on a GPU machine" >&2
+  exit 2
+fi
+versions=$("$PYTHON" - <<'EOF'
+import platform
+from importlib import metadata
+
+import torch
+
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+print(f"Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"megatron-core {version('megatron-core')}, transformer-engine {version('transformer-engine')}, "
+      f"{torch.cuda.device_count()} GPU(s) visible")
+EOF
+)
+
+{
+  echo "# GPU check"
+  echo
+  echo "- device: $device (GPU 0; every figure below was measured on it)"
+  echo "- $versions"
+  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); command: \`bash tools/gpu_check.sh\`"
+  echo
+  echo "| step | status | seconds | limit |"
+  echo "|---|---|---|---|"
+} > "$SUMMARY.head"
+: > "$SUMMARY.body"
+
+failed=0
+for step in "${STEPS[@]}"; do
+  IFS='|' read -r name limit command <<< "$step"
+  log="$OUT/$name.log"
+  echo "[gpu_check] $name (limit ${limit} s): $command"
+  start=$SECONDS
+  # timeout signals the step's whole process group (pytest's and torchrun's workers included)
+  timeout --kill-after=10 "$limit" bash -c "$command" > "$log" 2>&1
+  rc=$?
+  took=$((SECONDS - start))
+  case $rc in
+    0) status="ok" ;;
+    124|137) status="TIMED OUT"; failed=1 ;;
+    *) status="FAILED (exit $rc)"; failed=1 ;;
+  esac
+  echo "[gpu_check] $name: $status in ${took} s"
+  echo "| $name | $status | $took | $limit |" >> "$SUMMARY.head"
+  {
+    echo
+    echo "## $name: $status"
+    echo
+    echo "\`$command\` (full output: $name.log)"
+    echo
+    echo '```'
+    if [ "$name" = gpu_tier ]; then  # the outcome of every test that did not pass, and the counts
+      sed -n '/short test summary info/,$p' "$log" | tail -n 60
+      grep -q 'short test summary info' "$log" || tail -n 40 "$log"
+    else
+      tail -n 40 "$log"
+    fi
+    echo '```'
+  } >> "$SUMMARY.body"
+done
+cat "$SUMMARY.head" "$SUMMARY.body" > "$SUMMARY"
+rm -f "$SUMMARY.head" "$SUMMARY.body"
+echo "[gpu_check] wrote $SUMMARY"
+exit $failed
