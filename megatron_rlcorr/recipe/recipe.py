@@ -143,7 +143,7 @@ class Recipe:
     def check_model_layout(self, world_size: int, *, here: bool = True) -> int:
         """Validate the model's parallel layout against the launch (what building the model needs,
         e.g. for `score` and `export`); returns the data-parallel size. here=False: not whether
-        this machine has what the model needs (model.build.check_layers_here: Transformer Engine where
+        this machine has what the model needs (model.implementation.check_layers_here: Transformer Engine where
         the layers or sequence parallelism need it, a GPU that runs the FP8 recipe)."""
         heads, groups, layers = self.model.num_attention_heads, self.model.num_query_groups, self.model.num_layers
         tp, pp, cp, vpp = self.parallel.tp, self.parallel.pp, self.parallel.cp, self.parallel.vpp or 1
@@ -161,7 +161,7 @@ class Recipe:
                              f"{_some(pps)} (or change parallel.tp/cp)")
         dp = self.parallel.data_parallel_size(world_size)
         if here:  # the layers this machine builds: Transformer Engine's where needed, FP8 its GPU runs
-            from ..model.build import check_layers_here
+            from ..model.implementation import check_layers_here
 
             check_layers_here(self.model, sequence_parallel=self.parallel.sequence_parallel)
         return dp

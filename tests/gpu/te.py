@@ -8,7 +8,7 @@ import pytest
 
 
 def require_transformer_engine() -> None:
-    from megatron_rlcorr.model.build import resolve_transformer_impl
+    from megatron_rlcorr.model.implementation import resolve_transformer_impl
 
     try:
         resolve_transformer_impl("transformer_engine")

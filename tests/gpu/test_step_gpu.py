@@ -74,7 +74,7 @@ def _step_worker(rank, world, tp, sequence_parallel, variants, layouts, tokens, 
     """Per (variant, layout): a fresh TE model, pi_old, one step; what each pass fed the model."""
     import megatron.core.models.gpt.gpt_model as gpt_model
 
-    from megatron_rlcorr.model.build import resolve_transformer_impl
+    from megatron_rlcorr.model.implementation import resolve_transformer_impl
     from megatron_rlcorr.model.config import ModelConfig
     from megatron_rlcorr.model.weights import export_full_weights
     from megatron_rlcorr.parallel.groups import build_parallel_groups
@@ -113,7 +113,7 @@ def _step_worker(rank, world, tp, sequence_parallel, variants, layouts, tokens, 
 
 def _variants_here() -> list[str]:
     """The variants this GPU runs: FP8 recipes as Transformer Engine reports them (blockwise needs CUDA >= 12.9)."""
-    from megatron_rlcorr.model.build import fp8_recipe_unsupported_here
+    from megatron_rlcorr.model.implementation import fp8_recipe_unsupported_here
 
     return [v for v, fp8 in VARIANTS.items() if fp8 is None or fp8_recipe_unsupported_here(fp8["recipe"]) is None]
 
@@ -142,12 +142,12 @@ def test_our_fp8_rules_agree_with_transformer_engine_on_this_gpu():
     """model.build's per-recipe rules (what the recipe check applies on any machine) give the
     answer the installed Transformer Engine's own checks give on this GPU."""
     require_transformer_engine()
-    from megatron_rlcorr.model import build
+    from megatron_rlcorr.model import implementation
 
     capability = torch.cuda.get_device_capability()
     for recipe in ("delayed", "tensorwise", "blockwise", "mxfp8"):
-        ours = build.fp8_recipe_unsupported(recipe, capability, torch.version.cuda)
-        theirs = build._transformer_engine_fp8_check(recipe)
+        ours = implementation.fp8_recipe_unsupported(recipe, capability, torch.version.cuda)
+        theirs = implementation._transformer_engine_fp8_check(recipe)
         assert (ours is None) == (theirs is None), (recipe, capability, torch.version.cuda, ours, theirs)
 
 

@@ -199,7 +199,8 @@ TE_CFG = dict(vocab_size=1000, hidden_size=128, num_layers=2, num_attention_head
 
 
 def _transformer_engine_worker(rank, world, weights, tokens):
-    from megatron_rlcorr.model.build import build_gpt_model, fp8_recipe_unsupported_here, resolve_transformer_impl
+    from megatron_rlcorr.model.build import build_gpt_model
+    from megatron_rlcorr.model.implementation import fp8_recipe_unsupported_here, resolve_transformer_impl
     from megatron_rlcorr.model.weights import export_full_weights, load_full_weights
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups

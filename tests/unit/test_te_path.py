@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlcorr.model import build
+from megatron_rlcorr.model import build, implementation
 from megatron_rlcorr.model.config import ModelConfig, fp8_token_alignment
 from megatron_rlcorr.plan import plan_report
 from megatron_rlcorr.recipe import load_recipe
@@ -85,10 +85,10 @@ def test_transformer_impl_is_validated_at_config_time():
 
 def test_without_cuda_the_default_is_the_local_layers_and_transformer_engine_is_refused(monkeypatch):
     _cuda(monkeypatch, False)
-    assert build.resolve_transformer_impl(None) == "local"
-    assert build.resolve_transformer_impl("local") == "local"
+    assert implementation.resolve_transformer_impl(None) == "local"
+    assert implementation.resolve_transformer_impl("local") == "local"
     with pytest.raises(ValueError, match="transformer_engine needs a CUDA GPU.*transformer_impl: local"):
-        build.resolve_transformer_impl("transformer_engine")
+        implementation.resolve_transformer_impl("transformer_engine")
 
 
 @pytest.mark.parametrize("requested", [None, "transformer_engine"])
@@ -96,18 +96,18 @@ def test_cuda_without_transformer_engine_fails_with_the_fix(monkeypatch, request
     _cuda(monkeypatch)
     _no_transformer_engine(monkeypatch)
     with pytest.raises(ValueError) as err:
-        build.resolve_transformer_impl(requested)
+        implementation.resolve_transformer_impl(requested)
     message = str(err.value)
     assert "Transformer Engine does not import" in message and "pip install -e .[te]" in message
     assert "model.transformer_impl: local" in message
-    assert build.resolve_transformer_impl("local") == "local"  # the explicit choice still builds
+    assert implementation.resolve_transformer_impl("local") == "local"  # the explicit choice still builds
 
 
 def test_cuda_with_transformer_engine_defaults_to_it(monkeypatch):
     _cuda(monkeypatch)
     _fake_transformer_engine(monkeypatch)
-    assert build.resolve_transformer_impl(None) == "transformer_engine"
-    assert build.resolve_transformer_impl("local") == "local"
+    assert implementation.resolve_transformer_impl(None) == "transformer_engine"
+    assert implementation.resolve_transformer_impl("local") == "local"
 
 
 def test_building_a_model_on_cuda_without_transformer_engine_raises_before_anything_is_built(monkeypatch):
@@ -146,7 +146,7 @@ def _fake_transformer_engine_layers(monkeypatch, fused_wgrad: bool = False):
     RoPE (which TransformerConfig checks for) and optionally apex's fused weight-gradient kernel."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    monkeypatch.setattr(build, "resolve_transformer_impl", lambda requested: requested or "transformer_engine")
+    monkeypatch.setattr(implementation, "resolve_transformer_impl", lambda requested: requested or "transformer_engine")
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)
     monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda",
                         types.ModuleType("fused_weight_gradient_mlp_cuda") if fused_wgrad else None)
@@ -193,7 +193,7 @@ def test_the_cpu_path_keeps_host_initialisation_and_no_fused_kernels(monkeypatch
     config = build.transformer_config(ModelConfig(**CFG), _Layout(), main_grads=True)
     assert config.use_cpu_initialization is True and config.perform_initialization is False
     assert not any(getattr(config, name) for name in (*GPU_DEFAULTS, "gradient_accumulation_fusion"))
-    assert build.implementation_fields("local", main_grads=True) == {"use_cpu_initialization": True}
+    assert implementation.implementation_fields("local", main_grads=True) == {"use_cpu_initialization": True}
 
 
 # ---- FP8: alignment ------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def test_plan_checks_the_token_budget_against_the_recipes_alignment():
     ("mxfp8", (12, 0), "12.9", "12.0"),                               # RTX Blackwell: not yet in TE
 ])
 def test_fp8_recipe_rules_follow_transformer_engines_checks(recipe, capability, cuda, refused):
-    reason = build.fp8_recipe_unsupported(recipe, capability, cuda)
+    reason = implementation.fp8_recipe_unsupported(recipe, capability, cuda)
     assert reason is None if refused is None else refused in reason
 
 
@@ -343,7 +343,7 @@ def _device_init_worker(rank, world, cfg_dict, tokens):
     from tests.dist import hide_gpus
 
     hide_gpus()
-    from megatron_rlcorr.model import build
+    from megatron_rlcorr.model import build, implementation
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
 
@@ -351,7 +351,7 @@ def _device_init_worker(rank, world, cfg_dict, tokens):
     groups = build_parallel_groups(world, 1, 1)
     out = {}
     for host in (True, False):
-        build.implementation_fields = lambda impl, *, main_grads, host=host: {"use_cpu_initialization": host}
+        implementation.implementation_fields = lambda impl, *, main_grads, host=host: {"use_cpu_initialization": host}
         model = build.build_gpt_model(ModelConfig(**cfg_dict), groups, seed=5)
         with torch.no_grad():
             logits = model(tokens, None, None)
