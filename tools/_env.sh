@@ -58,25 +58,32 @@ ensure_env() {
     fi
     "$py" -m pip install -q --disable-pip-version-check torch==2.13.0
   fi
-  # pip keeps the torch that is here (the machine's own build, NGC pre-releases like 2.6.0a0+nv
-  # included) or fails: it never replaces it. (PEP 440 orders 2.6.0a0 before 2.6.0, so a requirement
-  # such as megatron-core's torch>=2.6.0 would otherwise make pip swap such a build for a registry one.)
-  local -x PIP_CONSTRAINT="$RLCORR_VENV/torch-constraint.txt"
-  "$py" -c "import torch; print('torch==' + torch.__version__)" > "$PIP_CONSTRAINT"
   local stamp="$RLCORR_VENV/.rlcorr-installed"
   local want
   want=$(cat setup.py | sha256sum | cut -c1-16)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[env] installing megatron-rlcorr and its test tools into $RLCORR_VENV"
-    if [ "$RLCORR_MCORE_LATEST" = 1 ]; then
+    # pip keeps the torch that is here (the machine's own build) or fails: it never replaces it.
+    local -x PIP_CONSTRAINT="$RLCORR_VENV/torch-constraint.txt"
+    "$py" -c "import torch; print('torch==' + torch.__version__)" > "$PIP_CONSTRAINT"
+    local req
+    req=$(mcore_requirement)
+    [ -n "$req" ] || { echo "[env] no megatron-core requirement found in setup.py" >&2; return 1; }
+    local pip=("$py" -m pip install -q --disable-pip-version-check)
+    if "$py" tools/_requirements.py --torch-is-prerelease 2>/dev/null; then
+      # A pre-release torch (NGC's 2.6.0a0+nv...) fails megatron-core's own torch>=2.6.0 under PEP 440:
+      # the project and megatron-core go in without their dependencies, then what else they require.
+      echo "[env] torch $("$py" -c 'import torch; print(torch.__version__)') is a pre-release build: kept," \
+           "megatron-core installed beside it without its torch requirement"
+      "${pip[@]}" --no-deps -e ".[dev]" "$req"
+      # shellcheck disable=SC2046  # one requirement a line, none with spaces
+      "${pip[@]}" $("$py" tools/_requirements.py megatron-rlcorr dev) $("$py" tools/_requirements.py megatron-core)
+    elif [ "$RLCORR_MCORE_LATEST" = 1 ]; then
       # Naming megatron-core with -U moves it to the newest release under setup.py's cap, also in
       # an environment built before that release; its dependencies move only if they must.
-      local req
-      req=$(mcore_requirement)
-      [ -n "$req" ] || { echo "[env] no megatron-core requirement found in setup.py" >&2; return 1; }
-      "$py" -m pip install -q --disable-pip-version-check -U "$req" -e ".[dev]"
+      "${pip[@]}" -U "$req" -e ".[dev]"
     else
-      "$py" -m pip install -q --disable-pip-version-check -e ".[dev]"
+      "${pip[@]}" -e ".[dev]"
     fi
     "$py" -c "import megatron.core" || {
       echo "[env] import megatron.core fails in $RLCORR_VENV (above)" >&2; return 1; }
