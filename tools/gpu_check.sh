@@ -4,7 +4,8 @@
 #
 #     bash tools/gpu_check.sh [OUT_DIR]        # default OUT_DIR: gpu_check
 #
-# runs the GPU tier of the suite (pytest -m gpu) and the GPU benchmarks, each under its own time
+# runs the GPU tier of the suite (pytest -m gpu; it prints the memory trainer offload frees) and the
+# GPU benchmarks, each under its own time
 # limit, carrying on past a failure, and writes OUT_DIR/gpu_check.md: the device, the versions,
 # each step's status and time, and each benchmark's figures (every table names its device), with
 # every step's full output beside it in OUT_DIR/<step>.log. Exits 1 when any step failed.
@@ -27,7 +28,7 @@ SUMMARY="$OUT/gpu_check.md"
 # name | time limit (s) | command. The limits add up to 470 s: under 8 minutes with the start-up.
 # Each benchmark is a small model or a few tensors: its time is mostly imports and CUDA/NCCL start-up.
 STEPS=(
-  "gpu_tier|300|$PYTHON -m pytest -m gpu tests -q -ra"
+  "gpu_tier|300|$PYTHON -m pytest -m gpu tests -q -raP"
   "bench_correction|34|$PYTHON tools/bench_correction.py --floor --device cuda"
   "bench_packing|34|$PYTHON tools/bench_packing.py --device cuda"
   "bench_recompute|34|$PYTHON tools/bench_recompute.py --device cuda"
@@ -94,7 +95,8 @@ for step in "${STEPS[@]}"; do
     echo "\`$command\` (full output: $name.log)"
     echo
     echo '```'
-    if [ "$name" = gpu_tier ]; then  # the outcome of every test that did not pass, and the counts
+    if [ "$name" = gpu_tier ]; then  # the figures its tests print, every test that did not pass, the counts
+      grep -h "^offload freed" "$log" || echo "(no offload figure: tests/gpu/test_offload_gpu.py did not pass)"
       sed -n '/short test summary info/,$p' "$log" | tail -n 60
       grep -q 'short test summary info' "$log" || tail -n 40 "$log"
     else
