@@ -63,9 +63,11 @@ ensure_env() {
   want=$(cat setup.py | sha256sum | cut -c1-16)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[env] installing megatron-rlcorr and its test tools into $RLCORR_VENV"
-    # pip keeps the torch that is here (the machine's own build) or fails: it never replaces it.
+    # pip keeps the torch that is here (the machine's own build) or fails: it never replaces it. The
+    # version is the installed distribution's (torch.__version__ may add a local label, +cu130, that
+    # the registry's wheel metadata does not have, and pip would then find no torch that matches).
     local -x PIP_CONSTRAINT="$RLCORR_VENV/torch-constraint.txt"
-    "$py" -c "import torch; print('torch==' + torch.__version__)" > "$PIP_CONSTRAINT"
+    "$py" -c "from importlib.metadata import version; print('torch==' + version('torch'))" > "$PIP_CONSTRAINT"
     local req
     req=$(mcore_requirement)
     [ -n "$req" ] || { echo "[env] no megatron-core requirement found in setup.py" >&2; return 1; }
