@@ -59,8 +59,8 @@ DIFFERENCES: dict[str, str] = {
                     "read and counted (data/round0_dropped_long_prompts)",
     "save_freq": "verl with save_freq <= 0 writes no checkpoint; here trainer.save_every: 0 still saves at the "
                  "end of the run",
-    "vllm_engine": "rollout.engine: vllm needs this project's vLLM adapter, which this release does not have yet "
-                   "(a run stops at engine start); rollout.engine: embedded runs without it",
+    "vllm_engine": "rollout.engine: vllm needs the vllm extra (`pip install -e .[vllm]`, vLLM 0.25.1) and a CUDA GPU "
+                   "on every rank; rollout.engine: embedded runs without them",
 }
 
 # data_source values verl's default_compute_score sends to math_dapo (as do those starting with "aime")
@@ -425,7 +425,8 @@ _ORDER = (
 _FSDP = "FSDP settings: this trainer is Megatron-Core only (its layout is parallel: tp/pp/cp/vpp)"
 _LOG_PROB_BUDGET = ("the log-prob passes (pi_old, reference) pack with the actor's budget, "
                     "trainer.max_tokens_per_micro_batch")
-_ENGINE_TUNING = "rollout engine tuning comes with a later release"
+_ENGINE_TUNING = ("import-verl does not map this vLLM setting: set the matching rollout.* key by hand "
+                  "(rollout.tensor_parallel_size, rollout.gpu_memory_utilization, ...: docs/configuration.md)")
 # (pattern, reason) for keys no rule consumed; the first match wins.
 _UNMAPPED: tuple[tuple[str, str], ...] = (
     (r"ulysses_sequence_parallel_size$", "Ulysses sequence parallelism (FSDP): use parallel.cp (context "

@@ -115,8 +115,8 @@ def test_dapo_report_lists(dapo):
     assert mapped["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == ("trainer.max_tokens_per_micro_batch", 45056)
     assert "packed micro-batches" in unmapped["actor_rollout_ref.actor.use_dynamic_bsz"]
     assert "pack with the actor's budget" in unmapped["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"]
-    assert "later release" in unmapped["actor_rollout_ref.rollout.gpu_memory_utilization"]
-    assert "later release" in unmapped["actor_rollout_ref.rollout.tensor_model_parallel_size"]
+    assert "set the matching rollout.* key" in unmapped["actor_rollout_ref.rollout.gpu_memory_utilization"]
+    assert "set the matching rollout.* key" in unmapped["actor_rollout_ref.rollout.tensor_model_parallel_size"]
     assert "keep rate" in unmapped["data.gen_batch_size"]
     assert "validation" in unmapped["trainer.test_freq"]
     assert "validation" in unmapped["actor_rollout_ref.rollout.val_kwargs.top_p"]
