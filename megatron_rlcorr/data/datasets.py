@@ -46,7 +46,7 @@ import torch
 
 from ..settings import check_choice
 from .hf_tokenizer import prompt_problem
-from .tasks import OnLongPrompt, Prompt
+from .prompt import OnLongPrompt, Prompt
 
 PARQUET_SUFFIXES = (".parquet",)
 JSONL_SUFFIXES = (".jsonl", ".json")

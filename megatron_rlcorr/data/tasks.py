@@ -26,53 +26,15 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Sequence
 
 import torch
 
 from ..config import did_you_mean
 from ..settings import check_choice
+from .datasets import PromptDataset, check_data_file
+from .prompt import OnLongPrompt, Prompt, Task, Tokenizer
 from .tokenizer import ARITHMETIC_ALPHABET, DEFAULT_ALPHABET, EOS_ID, CharTokenizer
-
-OnLongPrompt = Literal["drop", "error"]  # a prompt longer than max_prompt_length: skip it (counted), or stop
-
-
-@dataclass(frozen=True)
-class Prompt:
-    ids: list[int]  # token ids fed to the engine (BOS first for the built-in tasks)
-    answer: Any     # the ground truth the reward checks against (a str, or a dataset's JSON number)
-    text: str = ""  # the prompt as text, for logs (a chat prompt: its last user message)
-    extra: Mapping[str, Any] = field(default_factory=dict)  # a dataset's whole row, passed to its reward
-
-
-class Tokenizer(Protocol):
-    """What the trainer and engines read of a task's tokenizer (CharTokenizer and HFTokenizer have it)."""
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def eos_id(self) -> int: ...
-
-    @property
-    def eos_ids(self) -> tuple[int, ...]: ...
-
-    @property
-    def pad_id(self) -> int: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-@runtime_checkable
-class Task(Protocol):
-    tokenizer: Tokenizer
-
-    def sample_prompts(self, n: int, generator: torch.Generator | None = None) -> list[Prompt]:
-        ...
-
-    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float | Mapping[str, float]:
-        """The response's score, or a mapping with "score" and optionally "acc" (right or not)."""
-        ...
 
 
 def aligned_credit(target_ids: Sequence[int], response_ids: Sequence[int]) -> float:
@@ -205,6 +167,7 @@ class DataSettings:
     task_args: dict = field(default_factory=dict)  # the built-in task's arguments (digit_sum: {digits: 2})
     prompts_per_step: int = 32  # global, over all data-parallel ranks
     train_files: list[str] = field(default_factory=list)  # parquet / JSONL, read in this order
+    val_files: list[str] = field(default_factory=list)  # validation prompts, the training schema and keys
     prompt_key: str = "prompt"  # dotted keys reach nested fields
     answer_key: str = "reward_model.ground_truth"  # the (dotted) key of a row's ground truth, given to the reward
     max_prompt_length: int | None = None  # tokens after the chat template; None: no limit
@@ -225,6 +188,9 @@ class DataSettings:
                 raise ValueError(f"{name} must be a key or a dotted path of keys like 'reward_model.ground_truth', "
                                  f"got {getattr(self, name)!r}")
         if not self.train_files:
+            if self.val_files:
+                raise ValueError("val_files are read like train_files (the same keys, tokenizer and reward): set "
+                                 "train_files too; a built-in task has no validation files")
             if self.tokenizer is not None:
                 raise ValueError(f"tokenizer={self.tokenizer!r} is only read with train_files; set train_files "
                                  "or remove tokenizer")
@@ -235,13 +201,12 @@ class DataSettings:
         if self.task_args:
             raise ValueError(f"task_args ({', '.join(self.task_args)}) configure a built-in task; with train_files "
                              "use the dataset keys (prompt_key, answer_key, max_prompt_length, ...) instead")
-        from .datasets import check_data_file
-
-        for i, path in enumerate(self.train_files):
-            try:
-                check_data_file(path)
-            except ValueError as err:
-                raise ValueError(f"train_files[{i}]: {err}") from None
+        for name in ("train_files", "val_files"):
+            for i, path in enumerate(getattr(self, name)):
+                try:
+                    check_data_file(path)
+                except ValueError as err:
+                    raise ValueError(f"{name}[{i}]: {err}") from None
 
 
 TASKS: dict[str, type] = {
@@ -278,7 +243,6 @@ def build_task(data: DataSettings, *, tokenizer_dir: str | None, seed: int) -> T
     path = data.tokenizer or tokenizer_dir
     if path is None:
         raise ValueError("data.train_files needs a tokenizer: set data.tokenizer or model.hf_checkpoint")
-    from .datasets import PromptDataset
     from .hf_tokenizer import HFTokenizer
     from .rewards import get_reward_fn
 

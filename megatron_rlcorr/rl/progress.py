@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -26,8 +26,10 @@ CONSOLE_KEYS = (
 class MetricsLogger:
     """Writes on one rank only (the caller passes enabled=False elsewhere)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, tensorboard: bool = True,
-                 resume_step: int = 0) -> None:
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, *,
+                 trackers: Sequence[str] = ("console", "tensorboard"), project: str = "megatron-rlcorr",
+                 experiment: str = "run", config: Mapping | None = None, resume_step: int = 0) -> None:
+        tensorboard = "tensorboard" in trackers
         self.enabled, self.total_steps = enabled, total_steps
         self.path = run_dir / "metrics.jsonl"
         self.writer = None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from ..config import RolloutCorrectionConfig
+from ..settings import check_choice
 from ..training.kl import KLLossSettings
 from ..training.losses import LossConfig
 from ..training.reference import ReferenceSettings
@@ -19,11 +20,17 @@ from .kl_reward import KLInRewardSettings
 from .sampling import DynamicSampling
 
 
+TrackerName = Literal["console", "tensorboard", "wandb", "mlflow"]
+TRACKERS: tuple[str, ...] = ("console", "tensorboard", "wandb", "mlflow")
+
+
 @dataclass(frozen=True)
 class TrainerSettings:
     """Steps, batch sizes, seed, output, checkpoints and logging of a run."""
 
     RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "tensorboard": "TensorBoard is now one of trainer.logger's trackers (verl's key): trainer.logger: [console, "
+                       "tensorboard] writes it (the default), trainer.logger: [console] does not",
         "mini_batch_size": "the mini-batch is now counted in prompts, as verl's ppo_mini_batch_size: set "
                            "trainer.mini_batch_prompts to mini_batch_size / rollout.n (an optimizer step then "
                            "trains on mini_batch_prompts x n sequences over all data-parallel ranks; 0 = the "
@@ -41,8 +48,18 @@ class TrainerSettings:
     output_dir: str = "runs"       # the run writes to `<output_dir>/<name>/` (metrics, checkpoints, recipe)
     save_every: int = 0            # 0 = only at the end
     resume: bool = True            # continue from the latest checkpoint in runs/<name> if there is one
-    log_every: int = 1             # log metrics (metrics.jsonl, TensorBoard) every K steps and at the last
-    tensorboard: bool = True       # when tensorboard is installed
+    log_every: int = 1             # log metrics (metrics.jsonl and the trackers) every K steps and at the last
+    # Where metrics go besides runs/<name>/metrics.jsonl (always written): console (the progress line),
+    # tensorboard, wandb, mlflow (verl's trainer.logger; wandb and mlflow are optional extras)
+    logger: tuple[TrackerName, ...] = ("console", "tensorboard")
+    project_name: str = "megatron-rlcorr"  # the tracker's project (wandb) / experiment (mlflow)
+    experiment_name: str | None = None  # the tracker's run name; None: the recipe's name
+    # Validation on data.val_files (verl's keys): every test_freq steps and at the last step (0 = never in
+    # the loop), at step 0 before training (val_before_train), or only that (val_only: no training)
+    test_freq: int = 0
+    val_before_train: bool = True
+    val_only: bool = False
+    log_val_generations: int = 0   # samples per validation written to runs/<name>/val_generations/step_<k>.jsonl
     exit_interval: int = 0         # Megatron's --exit-interval: save and stop after steps divisible by it; 0 = off
     save_hf: bool = False          # at the end of the run, also write <run_dir>/hf as a Hugging Face checkpoint
     save_hf_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the weights' dtype in the save_hf checkpoint
@@ -59,9 +76,14 @@ class TrainerSettings:
         for name in ("steps", "micro_batch_size", "ppo_epochs", "log_every", "timeout_minutes", "dump_max_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("mini_batch_prompts", "save_every", "exit_interval", "max_tokens_per_micro_batch", "dump_every"):
+        for name in ("mini_batch_prompts", "save_every", "exit_interval", "max_tokens_per_micro_batch", "dump_every",
+                     "test_freq", "log_val_generations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for i, tracker in enumerate(self.logger):
+            check_choice(f"logger[{i}]", tracker, TRACKERS)
+        if len(set(self.logger)) != len(self.logger):
+            raise ValueError(f"logger lists a tracker twice: {list(self.logger)}")
 
 
 @dataclass(frozen=True)

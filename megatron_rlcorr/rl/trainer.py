@@ -129,8 +129,9 @@ class Trainer:
         trainer = self.recipe.trainer
         start = self._restore_or_start()
         self._push_weights()
-        logger = MetricsLogger(self.run_dir, trainer.steps, enabled=self.rank0, tensorboard=trainer.tensorboard,
-                               resume_step=start)
+        logger = MetricsLogger(self.run_dir, trainer.steps, enabled=self.rank0, trackers=trainer.logger,
+                               project=trainer.project_name, experiment=trainer.experiment_name or self.recipe.name,
+                               config=self.recipe.raw, resume_step=start)
         try:
             for step in range(start + 1, trainer.steps + 1):
                 metrics = self.train_step(step)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -38,6 +38,39 @@ ENGINES: tuple[str, ...] = ("embedded", "vllm")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8")
 LOGPROBS_MODES: tuple[str, ...] = ("tempered", "processed")
 VLLM_MIN_TEMPERATURE = 0.01  # vLLM samples a temperature in (0, 0.01) at 0.01 (SamplingParams, with a warning only)
+
+
+def check_sampling(prefix: str, temperature: float, top_p: float, top_k: int) -> None:
+    """The checks every sampling setting passes (rollout.*, rollout.val_kwargs.*)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{prefix}top_p must be in (0, 1] (1 = no nucleus truncation), got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+        raise ValueError(f"{prefix}top_k must be an integer >= -1 (0 or -1 = off: every token), got {top_k!r}")
+
+
+@dataclass(frozen=True)
+class ValSampling:
+    """The recipe's `rollout.val_kwargs` (verl's `actor_rollout_ref.rollout.val_kwargs`): how
+    validation and `eval` sample. do_sample false is greedy whatever the temperature (verl's
+    meaning); the defaults are verl's: one greedy sample per prompt."""
+
+    n: int = 1                 # samples per validation prompt (mean@n, best@k, maj@k, pass@k for k <= n)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0             # 0 or -1 = off
+    do_sample: bool = False    # false: greedy (temperature 0), as verl
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n (samples per validation prompt) must be >= 1, got {self.n}")
+        check_sampling("", self.temperature, self.top_p, self.top_k)
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature generation runs at: 0 (greedy) unless do_sample."""
+        return self.temperature if self.do_sample else 0.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +93,7 @@ class RolloutConfig:
     precision: Precision = "bf16"     # the engine's weights and math: fp32 | bf16 | fp8 (the mismatch source)
     temperature: float = 1.0          # sampling temperature (0 = greedy; vLLM: 0 or >= 0.01); the trainer divides by it too
     top_p: float = 1.0                # nucleus sampling (1 = off); with vLLM, < 1 needs logprobs: processed
+    top_k: int = 0                    # sample among the k most likely tokens only (0 or -1 = off, as vLLM)
     max_new_tokens: int = 16          # response length limit; longer responses end with finish_reason "length"
     n: int = 8                        # samples per prompt: the group of GRPO/RLOO advantages
     logprobs: LogprobsMode = "tempered"  # tempered: before top-p, as the trainer computes it | processed: after
@@ -69,21 +103,19 @@ class RolloutConfig:
     sleep_level: int = 2              # vLLM during training: 0 stay resident, 1 weights to host, 2 drop them
     max_model_len: int | None = None  # vLLM: context length (null: the prompt limit + max_new_tokens)
     policy_lag: int = 0               # steps the embedded engine's weights lag the trainer's
+    val_kwargs: ValSampling = field(default_factory=lambda: ValSampling())  # validation's sampling (verl's keys)
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, ENGINES)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("logprobs", self.logprobs, LOGPROBS_MODES)
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         # vLLM only: the embedded engine samples at the configured temperature, as the trainer divides by it.
         if self.engine == "vllm" and 0 < self.temperature < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"rollout.temperature={self.temperature}: vLLM samples any temperature below "
                              f"{VLLM_MIN_TEMPERATURE} at {VLLM_MIN_TEMPERATURE} while the trainer divides its logits "
                              f"by {self.temperature}, so the two log-probs would disagree; use 0 (greedy) or at least "
                              f"{VLLM_MIN_TEMPERATURE}, or rollout.engine: embedded")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus truncation), got {self.top_p}")
+        check_sampling("", self.temperature, self.top_p, self.top_k)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:

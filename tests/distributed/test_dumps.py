@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
 SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0",
-         "trainer.tensorboard=false", "trainer.steps=2", "algorithm.dynamic_sampling.enabled=false"]
+         "trainer.logger=[console]", "trainer.steps=2", "algorithm.dynamic_sampling.enabled=false"]
 
 
 def _dump(run_dir: Path, step: int) -> list[dict]:

@@ -25,7 +25,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny_hf_cpu.yaml"
-SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.tensorboard=false",
+SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.logger=[console]",
          "algorithm.dynamic_sampling.enabled=true"]
 TEMPERATURE = 0.7
 

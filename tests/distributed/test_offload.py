@@ -140,7 +140,7 @@ def test_a_run_with_trainer_offload_repeats_the_run_without(tmp_path):
     from tests.runs import deterministic, train_runs
 
     tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
-    common = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.tensorboard=false",
+    common = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.logger=[console]",
               "trainer.steps=2", "trainer.save_every=0"]
     offload = ["model.offload_params=true", "model.offload_grads=true", "optim.offload_optimizer=true"]
     runs = [(tiny, [*common, f"trainer.output_dir={tmp_path}", f"name={name}", *extra])

@@ -14,7 +14,7 @@ TINY = ROOT / "recipes" / "tiny_cpu.yaml"
 # Dynamic sampling with top-up rounds: the later rounds' prompts are drawn and spread too.
 COMMON = ["data.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=6", "trainer.micro_batch_size=4",
           "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_num_gen_batches=3",
-          "trainer.tensorboard=false"]
+          "trainer.logger=[console]"]
 
 
 def _view(groups):

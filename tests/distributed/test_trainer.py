@@ -19,7 +19,7 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
 SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0",
-         "trainer.tensorboard=false"]
+         "trainer.logger=[console]"]
 def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(

@@ -221,7 +221,7 @@ def test_twenty_step_training_run_with_fp8_rollouts(tmp_path):
            "megatron_rlcorr.train", "--config", str(ROOT / "recipes" / "tiny_cpu.yaml"), "name=gpu_fp8_rollouts",
            f"trainer.output_dir={tmp_path}", "trainer.steps=20", "trainer.save_every=0", "model.bf16=true",
            "model.hidden_size=64", "rollout.precision=fp8", "trainer.max_tokens_per_micro_batch=128",
-           "trainer.tensorboard=false"]
+           "trainer.logger=[console]"]
     # Under the test's own timeout, so that a slow run fails with its output
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

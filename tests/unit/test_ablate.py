@@ -14,7 +14,7 @@ from megatron_rlcorr.config import RolloutCorrectionConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
-SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.tensorboard=false"]
+SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.logger=[console]"]
 
 
 def _load_tool():

@@ -202,7 +202,7 @@ def test_two_process_cpu_run(tmp_path):
     env = clean_env(PYTHON=sys.executable, NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
                     LOG_DIR=str(logs), CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
     proc = launch(TINY, "trainer.steps=2", f"trainer.output_dir={tmp_path}", "data.prompts_per_step=4",
-                  "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0", "trainer.tensorboard=false",
+                  "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0", "trainer.logger=[console]",
                   "algorithm.dynamic_sampling.enabled=false", env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_metrics(tmp_path / "tiny_cpu")

@@ -127,7 +127,7 @@ def test_training_with_lag_2_sees_a_larger_mismatch(tmp_path):
     from tests.runs import train_runs
 
     common = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0",
-              "trainer.tensorboard=false", "trainer.resume=false", "trainer.steps=6",
+              "trainer.logger=[console]", "trainer.resume=false", "trainer.steps=6",
               f"trainer.output_dir={tmp_path}", "algorithm.rollout_correction={rollout_is: token}"]
     runs = [(TINY, [*common, "name=lag0", "rollout.policy_lag=0"]),
             (TINY, [*common, "name=lag2", "rollout.policy_lag=2"])]

@@ -161,7 +161,7 @@ def _recipe_overrides(tiny_hf, tmp_path):
     return ["rollout.engine=vllm", f"model.hf_checkpoint={tiny_hf / 'model'}",
             f"data.train_files=[{tiny_hf / 'data' / 'train.parquet'}]", "data.prompts_per_step=2", "rollout.n=2",
             "trainer.micro_batch_size=4", "trainer.steps=2", "trainer.save_hf=false", "trainer.save_every=0",
-            "trainer.tensorboard=false", f"trainer.output_dir={tmp_path}", "algorithm.dynamic_sampling.enabled=false"]
+            "trainer.logger=[console]", f"trainer.output_dir={tmp_path}", "algorithm.dynamic_sampling.enabled=false"]
 
 
 def _train_with_standin(rank, world_size, overrides):
