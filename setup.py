@@ -31,7 +31,15 @@ setup(
         "vllm": ["vllm==0.25.1"],  # rollout/vllm_engine.py is written against this version
         "math": ["math-verify>=0.7"],
         "plots": ["matplotlib>=3.7"],  # `analyze` and tools/ablate.py draw their figures with it
-        "dev": ["pytest>=8.0", "pytest-timeout>=2.2", "matplotlib>=3.7"],
+        # trainer.logger's trackers (rl/trackers.py). mlflow-skinny is enough: the client logs to
+        # MLFLOW_TRACKING_URI (a tracking server) or to a file store in the run directory, and neither
+        # needs MLflow's server package or SQLAlchemy (a sqlite:// tracking URI does: install mlflow then).
+        "tensorboard": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.19,<1"],
+        "mlflow": ["mlflow-skinny>=3.0,<4"],
+        # wandb 0.31: tests/distributed/test_trackers_run.py reads offline runs with `wandb leet inspect`
+        "dev": ["pytest>=8.0", "pytest-timeout>=2.2", "matplotlib>=3.7", "tensorboard>=2.14", "wandb>=0.31,<1",
+                "mlflow-skinny>=3.0,<4"],
     },
     entry_points={"console_scripts": ["megatron-rlcorr=megatron_rlcorr.cli:main"]},
 )

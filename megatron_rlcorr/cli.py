@@ -1,27 +1,32 @@
-"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | score | export | plan | presets | import-verl | analyze.
+"""`megatron-rlcorr` (or `python -m megatron_rlcorr.cli`): train | score | eval | export | plan | presets | import-verl | analyze.
 
     megatron-rlcorr train --config recipes/tiny_cpu.yaml [--nproc 2] [section.key=value ...]
     megatron-rlcorr score --model SRC --rollouts IN.jsonl --out OUT.jsonl [--nproc N] [--config R] [k=v ...]
+    megatron-rlcorr eval --model SRC --data FILE [FILE ...] --out DIR [--n N] [--temperature T] [--top-p P]
+        [--top-k K] [--max-new-tokens M] [--nproc N] [--config R] [k=v ...]
     megatron-rlcorr export --model SRC --out DIR [--nproc N] [--dtype bfloat16|float32] [--config R] [k=v ...]
     megatron-rlcorr plan RECIPE --nodes N --gpus-per-node G [--gpu-memory-gib 80] [--json] [--search] [k=v ...]
     megatron-rlcorr presets
-    megatron-rlcorr import-verl SCRIPT_OR_YAML --out RECIPE.yaml
+    megatron-rlcorr import-verl SCRIPT_OR_YAML --out RECIPE.yaml [model.architecture=NAME ...]
     megatron-rlcorr analyze INPUT --out DIR [--config RECIPE] [algorithm.rollout_correction.k=v ...]
 
 Each launching command validates its arguments for the requested number of processes first (so
 a typo fails in a second, not after a rendezvous), then runs `python -m torch.distributed.run
 --standalone --nproc_per_node N -m megatron_rlcorr.<command> ...` and returns its exit code.
 `--nproc` defaults to the recipe's tp*pp*cp, or for a run checkpoint to the world size that wrote it.
+`--verbose` (train, score, eval, export) keeps the known harmless third-party warnings that the
+launched processes otherwise hide (RLCORR_VERBOSE=1; runtime.quiet_known_warnings).
 """
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import subprocess
 import sys
 
 from .config import PRESETS, RolloutCorrectionConfig
-from .runtime import EXIT_BAD_INPUT
+from .runtime import EXIT_BAD_INPUT, VERBOSE_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,12 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--nproc", type=int, default=None,
                        help="processes on this machine (default: tp*pp*cp of the recipe, at least 1)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10")
+    _add_verbose(train)
     for name, help_text in (("score", "the trainer's log-probs of an engine's rollouts"),
+                            ("eval", "validation metrics and generations of a model on prompt files"),
                             ("export", "write a model as a Hugging Face checkpoint")):
         sub = commands.add_parser(name, help=help_text)
         _entry(name).add_arguments(sub)
         sub.add_argument("--nproc", type=int, default=None,
                          help="processes (default: tp*pp*cp, or the layout that wrote a run checkpoint)")
+        _add_verbose(sub)
     commands.add_parser("presets", help="list the rollout correction presets and what they set")
     planner = commands.add_parser("plan", help="validate a recipe's layout for a cluster and estimate its memory per "
                                                "GPU, without GPUs (recipe/memory.py)")
@@ -53,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     importer.add_argument("source", metavar="SCRIPT_OR_YAML",
                           help="a verl run script (bash), a verl YAML config or a file of key=value overrides")
     importer.add_argument("--out", required=True, help="the recipe YAML to write")
+    importer.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                          help="recipe keys set on top of the import, e.g. model.architecture=qwen2.5-32b (the layout "
+                               "for the script's cluster is then chosen before the checkpoint is on this machine)")
     analyzer = commands.add_parser("analyze", help="the rollout mismatch of a scored file, dumps or a run: statistics, "
                                                    "every preset on the data, findings and plots (analysis/)")
     _entry("analyze").add_arguments(analyzer)
@@ -68,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_presets())
         return 0
     if args.command == "import-verl":
-        return import_verl_command(args.source, args.out)
+        return import_verl_command(args.source, args.out, args.overrides)
     if args.command == "analyze":
         from .analyze import analyze_command
 
@@ -78,17 +89,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_command(args.config, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                             gpu_memory_gib=args.gpu_memory_gib, as_json=args.json, search=args.search)
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"  # the launched processes inherit it
     if args.command == "train":
         return launch(args.config, args.overrides, args.nproc)
     return launch_entry(args.command, args, _entry_argv(args))
 
 
-def import_verl_command(source: str, out: str) -> int:
+def import_verl_command(source: str, out: str, overrides: list[str] | None = None) -> int:
     """Write the recipe imported from a verl script/config to `out` and print the import report."""
     from .recipe.verl import format_report, import_verl, write_recipe
 
     try:
-        result = import_verl(source)
+        result = import_verl(source, overrides=overrides or ())
         write_recipe(result, out)
     except (ValueError, OSError) as err:
         print(f"error: import-verl: {err}", file=sys.stderr)
@@ -96,6 +109,11 @@ def import_verl_command(source: str, out: str) -> int:
     print(format_report(result))
     print(f"wrote {out}")
     return 0
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"show every warning, also the known harmless third-party ones ({VERBOSE_ENV}=1)")
 
 
 def _entry(module: str):
@@ -120,10 +138,12 @@ def launch(config: str, overrides: list[str], nproc: int | None) -> int:
 
 
 def launch_entry(command: str, args: argparse.Namespace, argv: list[str]) -> int:
-    """Validate `score` / `export` arguments in this process, then launch the entry point."""
+    """Validate `score` / `eval` / `export` arguments in this process, then launch the entry point."""
     from .recipe.source import checkpoint_layout, resolve_source, source_recipe
 
     entry = _entry(command)
+    if hasattr(entry, "normalize_args"):  # eval: overrides after --data's files
+        entry.normalize_args(args)
     try:
         nproc = args.nproc
         if nproc is None:
@@ -144,10 +164,15 @@ def _check_nproc(nproc: int) -> None:
 
 
 def _entry_argv(args: argparse.Namespace) -> list[str]:
-    """The entry point's command line from the parsed arguments: its options (each named --<dest>),
-    then the overrides; --nproc is for torchrun, not the entry point."""
-    options = [item for dest, value in vars(args).items() if dest not in ("command", "nproc", "overrides")
-               and value is not None for item in (f"--{dest}", str(value))]
+    """The entry point's command line from the parsed arguments: its options (each named
+    --<dest>, "_" written "-"; a list's values follow it; a flag is given when true), then the
+    overrides; --nproc is for torchrun and --verbose for the environment, not the entry point."""
+    options: list[str] = []
+    for dest, value in vars(args).items():
+        if dest in ("command", "nproc", "verbose", "overrides") or value is None or value is False:
+            continue
+        option = f"--{dest.replace('_', '-')}"
+        options += [option] if value is True else [option, *map(str, value if isinstance(value, list) else [value])]
     return [*options, *args.overrides]
 
 

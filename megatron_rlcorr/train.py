@@ -44,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(recipe: Recipe) -> int:
-    from .rl.trainer import train
-
     with process_groups(recipe.parallel, timeout_minutes=recipe.trainer.timeout_minutes,
                         rollout_tp=recipe.rollout.tensor_parallel_size) as groups:
+        from .rl.trainer import train  # inside: Megatron-Core's import-time warnings are filtered (runtime.py)
+
         train(recipe, groups)
     return 0
 

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
-    """tools/make_tiny_hf.py's Qwen2 checkpoint (`model/`) and DAPO parquet (`data/train.parquet`),
+    """tools/make_tiny_hf.py's Qwen2 checkpoint (`model/`) and DAPO parquets (`data/train.parquet`, `data/val.parquet`),
     built once per test session (about 10-20 s)."""
     import importlib.util
     from pathlib import Path

@@ -81,7 +81,7 @@ MISMATCH = (("k3 KL", KL), ("abs log ppl diff", "rollout_corr/log_ppl_abs_diff")
             ("chi2_seq", "rollout_corr/chi2_seq"), ("RS masked", "rollout_corr/rollout_rs_masked_fraction"))
 SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 3.0, 20, 5
 NO_REJECTION = {"rejected_right": math.nan, "rejected_wrong": math.nan}
-UNSHOWN_OVERRIDES = ("trainer.logger=", "trainer.dump_every=")  # not named in the figure's title
+UNSHOWN_OVERRIDES = ("trainer.logger=", "trainer.tensorboard=", "trainer.dump_every=")  # not in the figure title (tensorboard=: runs recorded before trainer.logger)
 
 
 @dataclass(frozen=True)

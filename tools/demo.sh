@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 source tools/_env.sh
 ensure_env
 python tools/make_tiny_hf.py --out runs/tiny_hf_files
+# One thread per process (2 processes on the 2-core machine): what torchrun would pick, without its banner.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 start=$(date +%s)

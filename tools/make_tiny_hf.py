@@ -6,8 +6,12 @@ writes
 - DIR/model/: a Qwen2ForCausalLM checkpoint (config.json, model.safetensors, generation_config.json)
   and its tokenizer (tokenizer.json, tokenizer_config.json, chat_template.jinja), loadable offline by
   AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR/model);
-- DIR/data/train.parquet: verl's RL schema (data_source, prompt, ability, reward_model, extra_info)
-  with every 1-digit addition "What is a+b? Reply with Answer: <sum>" (100 rows, seeded order);
+- DIR/data/train.parquet and DIR/data/val.parquet: verl's RL schema (data_source, prompt, ability,
+  reward_model, extra_info) with the 1-digit additions "What is a+b? Reply with Answer: <sum>" in a
+  seeded order, split in two: the validation split holds VAL_ROWS (20) sums a+b with a < b, the
+  first in that order, and the training split the other 80, the mirror b+a of every held-out sum
+  included. The warm-up and RL see only the training split, so a held-out sum is answered right only
+  by what the model generalises (the mirror image of a sum it learnt), not by what it memorised;
 - DIR/manifest.json, written last: what was made, with which seed, and the warm-up's accuracy.
 Run again without --force, it only reports what DIR already holds (well under a second), so
 tools/demo.sh can call it every time.
@@ -73,6 +77,8 @@ ACCURACY_SAMPLES = 200
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json", "chat_template.jinja")
 DATA_FILE = "data/train.parquet"
+VAL_FILE = "data/val.parquet"
+VAL_ROWS = 20  # held out: never in the warm-up or the RL training data
 MANIFEST = "manifest.json"
 
 
@@ -164,26 +170,43 @@ def dataset_rows(seed: int) -> list[dict]:
              "prompt": [{"role": "user", "content": question(a, b)}],
              "ability": "math",
              "reward_model": {"ground_truth": str(a + b), "style": "rule"},
-             "extra_info": {"index": index}}
+             "extra_info": {"index": index, "a": a, "b": b}}
             for index, (a, b) in enumerate(problems(seed))]
 
 
-def make_dataset(path: str | Path, seed: int) -> list[dict]:
-    """Write the rows as parquet at path; return them."""
+def split_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out validation rows): the first VAL_ROWS rows a+b with a < b are held out
+    (their mirror b+a stays in training). On seed 0 RL on the training split took the held-out accuracy
+    at temperature 1 from 30% to 39%; with the first VAL_ROWS rows of any kind held out it stayed at
+    26-29%: the model memorises sums it never sees mirrored."""
+    train, val = [], []
+    for row in rows:
+        a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+        (val if a < b and len(val) < VAL_ROWS else train).append(row)
+    return train, val
+
+
+def make_dataset(out: str | Path, seed: int) -> tuple[list[dict], list[dict]]:
+    """Write the training and validation splits as parquet under out (DATA_FILE, VAL_FILE); return them."""
+    train, val = split_rows(dataset_rows(seed))
+    for rows, name in ((train, DATA_FILE), (val, VAL_FILE)):
+        write_parquet(rows, Path(out) / name)
+    return train, val
+
+
+def write_parquet(rows: list[dict], path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = dataset_rows(seed)
     schema = pa.schema([
         ("data_source", pa.string()),
         ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
         ("ability", pa.string()),
         ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-        ("extra_info", pa.struct([("index", pa.int64())])),
+        ("extra_info", pa.struct([("index", pa.int64()), ("a", pa.int64()), ("b", pa.int64())])),
     ])
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
-    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,14 +274,15 @@ def warm_up(model, tokenizer, rows: list[dict]) -> tuple[int, float]:
 
 
 def make_model(out_dir: str | Path | None, tokenizer, seed: int, rows: list[dict] | None = None):
-    """Random Qwen2 from the seed, warmed up on rows (the dataset of that seed by default); saved when out_dir is given.
+    """Random Qwen2 from the seed, warmed up on rows (the training split of that seed by default); saved when
+    out_dir is given.
 
     Returns (model, warm-up steps, expected accuracy when the warm-up stopped).
     """
     import torch
     from transformers import Qwen2ForCausalLM
 
-    rows = dataset_rows(seed) if rows is None else rows
+    rows = split_rows(dataset_rows(seed))[0] if rows is None else rows
     threads = torch.get_num_threads()
     # One thread: the float sums, hence the bytes, do not depend on the machine's core count, and
     # tensors this small gain nothing from a second thread on a shared 2-core machine.
@@ -316,7 +340,7 @@ def measure_accuracy(model, tokenizer, rows: list[dict], samples: int = ACCURACY
 # ----------------------------------------------------------------------------------------------
 # CLI
 def is_complete(out: Path) -> bool:
-    return (out / MANIFEST).is_file() and (out / DATA_FILE).is_file() and all(
+    return (out / MANIFEST).is_file() and (out / DATA_FILE).is_file() and (out / VAL_FILE).is_file() and all(
         (out / "model" / name).is_file() for name in MODEL_FILES)
 
 
@@ -331,16 +355,17 @@ def build(out: Path, seed: int) -> dict:
             shutil.rmtree(stale)
         elif stale.exists():
             stale.unlink()
-    rows = make_dataset(out / DATA_FILE, seed)
+    rows, val_rows = make_dataset(out, seed)
     tokenizer = make_tokenizer(out / "model")
     model, steps, expected = make_model(out / "model", tokenizer, seed, rows)
     accuracy = measure_accuracy(model, tokenizer, rows, ACCURACY_SAMPLES, seed)
+    val_accuracy = measure_accuracy(model, tokenizer, val_rows, ACCURACY_SAMPLES, seed)
     manifest = {
         "seed": seed, "vocab_size": len(tokenizer), **MODEL_SIZES,
-        "parameters": sum(p.numel() for p in model.parameters()), "rows": len(rows),
+        "parameters": sum(p.numel() for p in model.parameters()), "rows": len(rows), "val_rows": len(val_rows),
         "warmup": {"steps": steps, "lr": WARMUP_LR, "target": WARMUP_TARGET, "expected_accuracy": round(expected, 4)},
         "sampled_accuracy": {"samples": ACCURACY_SAMPLES, "temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS,
-                             "accuracy": accuracy},
+                             "accuracy": accuracy, "val_accuracy": val_accuracy},
         "seconds": round(time.perf_counter() - start, 1),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -353,8 +378,10 @@ def _report(out: Path, manifest: dict) -> str:
         (f"model:    {out / 'model'} (Qwen2, vocab {manifest['vocab_size']}, hidden {manifest['hidden_size']}, "
          f"{manifest['num_hidden_layers']} layers, {manifest['parameters']:,} parameters)"),
         f"data:     {out / DATA_FILE} ({manifest['rows']} rows, e.g. {question(7, 5)!r})",
-        (f"warm-up:  {manifest['warmup']['steps']} AdamW steps (seed {manifest['seed']}); accuracy at "
-         f"temperature 1: {sampled['accuracy']:.1%} of {sampled['samples']} samples (dapo_math)"),
+        f"held out: {out / VAL_FILE} ({manifest['val_rows']} rows, the validation split)",
+        (f"warm-up:  {manifest['warmup']['steps']} AdamW steps (seed {manifest['seed']}) on the training split; "
+         f"accuracy at temperature 1 (dapo_math, {sampled['samples']} samples): {sampled['accuracy']:.1%} on the "
+         f"training split, {sampled['val_accuracy']:.1%} held out"),
     ])
 
 

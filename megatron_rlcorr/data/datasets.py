@@ -13,7 +13,8 @@ generator seeded by (seed, e) (file order with shuffle=False). One int, `positio
 num_rows + index_in_epoch`, counts the raw rows visited, valid or not. `take(position, count)` is
 a pure function of its arguments: every data-parallel rank calls it with the same ones and agrees
 on the prompts and the next position, and a resumed run that kept the position in its checkpoint
-continues with exactly the prompts it would have seen.
+continues with exactly the prompts it would have seen. `in_file_order()` reads every row once in
+the files' order instead (a validation set).
 
 Rows that are not used. A "bad row" (its prompt or answer key missing, a prompt that is neither a
 string nor a list of {role, content} messages, a JSONL line that is not a JSON object) stops the
@@ -149,14 +150,14 @@ class _JsonlRows:
             return json.loads(file.readline())
 
 
-def _open(path: Path, batch_rows: int) -> _ParquetRows | _JsonlRows:
+def _open(path: Path, batch_rows: int, files_key: str) -> _ParquetRows | _JsonlRows:
     check_data_file(path)
     if not path.is_file():
-        raise ValueError(f"data file {path} not found (data.train_files entries are paths relative to the "
+        raise ValueError(f"data file {path} not found ({files_key} entries are paths relative to the "
                          "directory the run starts in, or absolute)")
     rows = _ParquetRows(path, batch_rows) if path.suffix.lower() in PARQUET_SUFFIXES else _JsonlRows(path)
     if not len(rows):
-        raise ValueError(f"data file {path} holds no rows; remove it from data.train_files")
+        raise ValueError(f"data file {path} holds no rows; remove it from {files_key}")
     return rows
 
 
@@ -218,7 +219,7 @@ class PromptDataset:
                  reward_fn: Callable[[str, Any, dict], float], prompt_key: str = "prompt",
                  answer_key: str = "reward_model.ground_truth", max_prompt_length: int | None = None,
                  on_long_prompt: OnLongPrompt = "drop", skip_bad_rows: bool = False, shuffle: bool = True,
-                 seed: int = 0, read_batch_rows: int = READ_BATCH_ROWS) -> None:
+                 seed: int = 0, read_batch_rows: int = READ_BATCH_ROWS, files_key: str = "data.train_files") -> None:
         check_choice("on_long_prompt", on_long_prompt, OnLongPrompt)
         for name, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
             if not isinstance(key, str) or not all(key.split(".")):
@@ -230,13 +231,13 @@ class PromptDataset:
             raise ValueError(f"read_batch_rows must be >= 1, got {read_batch_rows}")
         paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
         if not paths:
-            raise ValueError("a prompt dataset needs at least one file (data.train_files is empty)")
+            raise ValueError(f"a prompt dataset needs at least one file ({files_key} is empty)")
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.max_prompt_length, self.on_long_prompt = max_prompt_length, on_long_prompt
         self.skip_bad_rows, self.shuffle, self.seed = skip_bad_rows, shuffle, seed
         self.files = paths
-        self._sources = [_open(path, read_batch_rows) for path in paths]
+        self._sources = [_open(path, read_batch_rows, files_key) for path in paths]
         self._starts = [0]  # global index of each file's first row
         for source in self._sources:
             self._starts.append(self._starts[-1] + len(source))
@@ -288,6 +289,19 @@ class PromptDataset:
             generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
             self._orders[epoch] = torch.randperm(self.num_rows, generator=generator)
         return self._orders[epoch]
+
+    def in_file_order(self) -> Taken:
+        """Every usable row once, in the files' order and each file's row order whatever `shuffle`
+        says (a validation set); rows skipped as too long or bad are counted, as by `take`."""
+        prompts: list[Prompt] = []
+        tally = _Tally()
+        for index in range(self.num_rows):
+            prompt = self._load(index, tally)
+            if prompt is not None:
+                prompts.append(prompt)
+        if not prompts:
+            raise self._no_usable_prompt(tally)
+        return Taken(prompts, self.num_rows, tally.dropped_long, tally.skipped_bad)
 
     # ---- random draws ----------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ missing one score the same).
   commit b178a3cd, non-strict ("minerva") path, reproduced exactly. Only the last 300 characters of
   the response are read; the prediction is the rest of the line after the last "Answer:" (any case)
   in them, or "[INVALID]" when there is none; prediction and ground truth are both normalised by
-  `normalize_answer` and must then be equal as strings. The ground truth is never truncated.
+  `normalize_answer` and must then be equal as strings. The ground truth is never truncated. Like
+  verl's, it returns {"score": +-1.0, "acc": 1.0 or 0.0, "pred": the normalised prediction}
+  (`dapo_math_result`), so validation reports acc and maj@k.
 - "boxed_math": the content of the last \\boxed{...} (or \\fbox{...}, or "\\boxed " up to the next
   "$") in the whole response, normalised the same way and compared with the normalised ground truth.
 - "math_verify": symbolic equivalence by the optional `math-verify` package.
@@ -15,19 +17,28 @@ missing one score the same).
 A user's own reward is named "package.module:function" and has the signature of `RewardFn`:
 (response, ground_truth, extra) -> float, where extra holds the example's other fields. It may
 also return a mapping with "score" and "acc" (whether the answer is right), as verl's reward
-functions do; a plain float's acc is `score >= 1` (full marks). Names are
-resolved when a recipe loads (`get_reward_fn`), so a typo or a missing package fails before the
-first rollout rather than in the middle of a run.
+functions do; a plain float's acc is `score >= 1` (full marks).
+
+A recipe's `data.reward` is one name for every row, or a mapping {data_source: name} that scores
+each row by the reward of its `data_source` field (verl's default_compute_score routes rows the
+same way; a mix of DAPO-Math and AIME files can then use a reward each). `get_reward_fn(spec)`
+returns one RewardFn either way; a row whose data source the mapping lacks stops with a
+ValueError naming the source and the fix. Names are checked twice before the first rollout: a
+built-in's spelling and a mapping's shape when the recipe loads (`check_reward_spec`, no import),
+every name resolved, user modules imported, by `get_reward_fn` in the launch checks, so a typo
+or a missing package never fails in the middle of a run.
 """
 from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Union
 
 from ..config import did_you_mean
 
 RewardFn = Callable[[str, Any, dict], "float | dict[str, float]"]
+RewardSpec = Union[str, Mapping[str, str]]  # data.reward: one reward name, or {data_source: reward name}
+DATA_SOURCE_KEY = "data_source"  # the row field a mapping spec dispatches on (verl's schema)
 
 # Plain str.replace pairs, applied in this order (verl's SUBSTITUTIONS). "an " and "a " go wherever
 # they occur, inside words too ("Jordan 5" -> "Jord5"); then every remaining space goes.
@@ -134,6 +145,15 @@ def dapo_math(response: str, ground_truth: str) -> float:
     return _score(normalize_answer(extract_answer(response)) == normalize_answer(ground_truth))
 
 
+def dapo_math_result(response: str, ground_truth: str) -> dict[str, float | str]:
+    """What verl's DAPO compute_score returns: the score, whether the answer is right (acc, 1.0 or
+    0.0) and the normalised prediction (pred, which validation's maj@k votes over). The registered
+    reward "dapo_math" is this; `dapo_math` is its score."""
+    pred = normalize_answer(extract_answer(response))
+    correct = pred == normalize_answer(ground_truth)
+    return {"score": _score(correct), "acc": float(correct), "pred": pred}
+
+
 def boxed_math(response: str, ground_truth: str) -> float:
     """+1.0 when the last box of the response normalises to the normalised ground truth, else -1.0."""
     boxed = last_boxed(response)
@@ -164,20 +184,20 @@ def math_verify(response: str, ground_truth: str) -> float:
     return _score(bool(correct))
 
 
-_BUILTINS: dict[str, Callable[[str, str], float]] = {
-    "dapo_math": dapo_math,
+_BUILTINS: dict[str, Callable[[str, str], "float | dict[str, float | str]"]] = {
+    "dapo_math": dapo_math_result,
     "boxed_math": boxed_math,
     "math_verify": math_verify,
 }
 REWARDS: tuple[str, ...] = tuple(_BUILTINS)
 
 
-def _with_extra(fn: Callable[[str, str], float]) -> RewardFn:
+def _with_extra(name: str, fn: Callable[[str, str], "float | dict[str, float | str]"]) -> RewardFn:
     """A built-in under the user signature; extra is ignored and a non-str ground truth (a JSON number) is str()-ed."""
-    def reward(response: str, ground_truth: Any, extra: dict) -> float:
+    def reward(response: str, ground_truth: Any, extra: dict) -> "float | dict[str, float | str]":
         return fn(response, str(ground_truth))
 
-    reward.__name__ = reward.__qualname__ = fn.__name__
+    reward.__name__ = reward.__qualname__ = name
     reward.__doc__ = fn.__doc__
     return reward
 
@@ -191,7 +211,7 @@ def _builtin(name: str) -> RewardFn:
             _math_verify_api()
         except ImportError as err:
             raise ValueError(f"reward 'math_verify': {err}") from err
-    return _with_extra(_BUILTINS[name])
+    return _with_extra(name, _BUILTINS[name])
 
 
 def _user_function(name: str) -> RewardFn:
@@ -216,6 +236,77 @@ def _user_function(name: str) -> RewardFn:
     return fn
 
 
-def get_reward_fn(name: str) -> RewardFn:
+def _resolve(name: str) -> RewardFn:
     """The reward named `name`: a built-in from REWARDS, or a user's "package.module:function"."""
     return _user_function(name) if ":" in name else _builtin(name)
+
+
+def check_reward_spec(spec: Any) -> None:
+    """What can be checked of `data.reward` without importing anything: its shape (a name, or a
+    non-empty mapping of data source -> name) and the spelling of built-in names. ValueError
+    naming the entry and the fix."""
+    if isinstance(spec, str):
+        _check_name(spec, "")
+        return
+    if not isinstance(spec, Mapping) or not spec:
+        raise ValueError(f"reward must be a reward name or a mapping {{data_source: reward name}} with at least one "
+                         f"entry, got {spec!r}")
+    for source, name in spec.items():
+        if not isinstance(source, str) or not isinstance(name, str):
+            raise ValueError(f"reward: the entry {source!r}: {name!r} must map a data source (a string; quote a "
+                             "number in YAML) to a reward name (a string)")
+        _check_name(name, f"[{source!r}]")
+
+
+def _check_name(name: str, where: str) -> None:
+    if ":" not in name and name not in _BUILTINS:
+        raise ValueError(f"reward{where}: unknown reward {name!r}{did_you_mean(name, REWARDS)}; built-in rewards: "
+                         f"{', '.join(REWARDS)}, or your own function as 'package.module:function'")
+
+
+def reward_sources(spec: RewardSpec) -> tuple[str, ...] | None:
+    """The data sources a mapping spec has a reward for; None for one name (every source has it)."""
+    return None if isinstance(spec, str) else tuple(spec)
+
+
+def missing_source_error(spec: Mapping[str, str], source: Any, where: str = "") -> ValueError:
+    """The error for a row whose data source (None: the row has none) has no entry in `spec`;
+    `where` names the row ("<file> row N") when the caller knows it."""
+    at = f"{where}: " if where else ""
+    known = ", ".join(map(repr, spec))
+    if source is None:
+        return ValueError(f"{at}the row has no {DATA_SOURCE_KEY!r} field, and data.reward picks each row's reward by "
+                          f"its {DATA_SOURCE_KEY} (it has rewards for {known}): add a {DATA_SOURCE_KEY} to the rows, "
+                          "or set data.reward to one reward name for every row")
+    close = did_you_mean(str(source), list(spec))
+    return ValueError(f"{at}data.reward has no reward for data_source {source!r}{close} (it has rewards for {known}): "
+                      f"add `{source}: <reward name>` to the data.reward mapping, or set data.reward to one reward "
+                      "name for every row")
+
+
+def _by_source(rewards: dict[str, RewardFn], spec: Mapping[str, str]) -> RewardFn:
+    """One RewardFn that scores a row by the reward of its data source."""
+    def reward(response: str, ground_truth: Any, extra: dict) -> float | dict[str, float]:
+        source = extra.get(DATA_SOURCE_KEY) if isinstance(extra, Mapping) else None
+        if source not in rewards:
+            raise missing_source_error(spec, source)
+        return rewards[source](response, ground_truth, extra)
+
+    reward.__name__ = reward.__qualname__ = "by_data_source"
+    return reward
+
+
+def get_reward_fn(spec: RewardSpec) -> RewardFn:
+    """The reward `spec` names (data.reward): one name, a built-in from REWARDS or a user's
+    "package.module:function"; or a mapping {data_source: name}, each name resolved now, whose
+    function dispatches on extra["data_source"] (module docstring)."""
+    check_reward_spec(spec)
+    if isinstance(spec, str):
+        return _resolve(spec)
+    rewards = {}
+    for source, name in spec.items():
+        try:
+            rewards[source] = _resolve(name)
+        except ValueError as err:
+            raise ValueError(f"reward[{source!r}]: {err}") from None
+    return _by_source(rewards, dict(spec))

@@ -34,6 +34,7 @@ from ..config import did_you_mean
 from ..settings import check_choice
 from .datasets import PromptDataset, check_data_file
 from .prompt import OnLongPrompt, Prompt, Task, Tokenizer
+from .rewards import check_reward_spec
 from .tokenizer import ARITHMETIC_ALPHABET, DEFAULT_ALPHABET, EOS_ID, CharTokenizer
 
 
@@ -175,7 +176,8 @@ class DataSettings:
     skip_bad_rows: bool = False  # skip rows with a missing key or a malformed prompt (counted); false: stop the run
     shuffle: bool = True  # a new row order each epoch, drawn from trainer.seed; false: the files' order
     tokenizer: str | None = None  # a tokenizer directory; default: the model's Hugging Face checkpoint
-    reward: str = "dapo_math"  # a built-in reward, or "package.module:function"
+    # a built-in reward or "package.module:function"; or {data_source: reward}: each row scored by its data_source's
+    reward: str | dict[str, str] = "dapo_math"
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
@@ -183,6 +185,7 @@ class DataSettings:
         check_choice("on_long_prompt", self.on_long_prompt, OnLongPrompt)
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 (or null for no limit), got {self.max_prompt_length}")
+        check_reward_spec(self.reward)  # a misspelled built-in fails at load; get_reward_fn imports at launch
         for name in ("prompt_key", "answer_key"):
             if not all(getattr(self, name).split(".")):
                 raise ValueError(f"{name} must be a key or a dotted path of keys like 'reward_model.ground_truth', "

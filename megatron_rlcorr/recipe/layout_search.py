@@ -28,7 +28,7 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from .memory import (GiB, MemoryEstimate, estimate_memory, micro_batch_tokens, parameter_counts, sequence_tokens,
                      usable_bytes)
@@ -38,11 +38,20 @@ from .tree import apply_overrides, read_tree
 NVLINK_BYTES_PER_S = 450e9
 NETWORK_BYTES_PER_S = 50e9
 SUSTAINED_FLOPS = 400e12       # bf16, per H100, a typical sustained rate for large GEMMs
-RECOMPUTE_CHOICES: dict[str, tuple[str, ...]] = {
-    "none": ("model.recompute=null",),
-    "selective": ("model.recompute={granularity: selective, modules: [mlp, layernorm]}",),
-    "full": ("model.recompute={granularity: full, method: uniform, num_layers: 1}",),
+def _flow(value: Any) -> str:
+    return "[" + ", ".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
+
+
+# The recomputation of each candidate, as the recipe's model.recompute (None: none)
+RECOMPUTE_SETTINGS: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "selective": {"granularity": "selective", "modules": ["mlp", "layernorm"]},
+    "full": {"granularity": "full", "method": "uniform", "num_layers": 1},
 }
+RECOMPUTE_CHOICES: dict[str, tuple[str, ...]] = {
+    name: ("model.recompute=" + ("null" if value is None else
+                                 "{" + ", ".join(f"{k}: {_flow(v)}" for k, v in value.items()) + "}"),)
+    for name, value in RECOMPUTE_SETTINGS.items()}
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,12 @@ def layout_overrides(tp: int, pp: int, cp: int, recompute: str) -> list[str]:
 def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int,
                    gpu_memory_gib: float) -> list[Candidate]:
     """Every candidate that validates and fits, cheapest first (module docstring)."""
-    tree = read_tree(Path(path), overrides)  # read once; each candidate applies its layout to a copy
+    return search_tree(read_tree(Path(path), overrides), nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)
+
+
+def search_tree(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> list[Candidate]:
+    """search_layouts of a recipe tree (read once; each candidate applies its layout to a copy).
+    ValueError when the recipe itself does not load (its message)."""
     base = parse_recipe(tree)
     world = nodes * gpus_per_node
     heads_and_groups = math.gcd(base.model.num_attention_heads, base.model.num_query_groups)
@@ -82,7 +96,7 @@ def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gp
                 for recompute in RECOMPUTE_CHOICES:
                     try:
                         layout = layout_overrides(tp, pp, cp, recompute)
-                        recipe = parse_recipe(apply_overrides(copy.deepcopy(tree), layout))
+                        recipe = parse_recipe(apply_overrides(copy.deepcopy(dict(tree)), layout))
                         dp = recipe.check_layout(world, here=False)
                     except ValueError:
                         continue

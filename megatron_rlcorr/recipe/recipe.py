@@ -56,11 +56,12 @@ class Recipe:
         and data files, Transformer Engine, the GPU's FP8 support or the rollout engine's installation."""
         dp = self.check_model_layout(world_size, here=here)
         if here:
+            self._check_trackers()
             self._check_checkpoint()
             self._check_task()
         else:
             self._check_samples()
-        self._check_rollout(world_size, here=here)
+        self.check_rollout(world_size, here=here)
         prompts = self.data.prompts_per_step
         if prompts % dp:
             raise ValueError(f"data.prompts_per_step={prompts} must be divisible by the data-parallel size {dp} "
@@ -113,7 +114,7 @@ class Recipe:
                              f", padded to a multiple of {multiple}, is {longest} tokens per context-parallel rank; "
                              f"set it to at least {longest}")
 
-    def _check_rollout(self, world_size: int, *, here: bool = True) -> None:
+    def check_rollout(self, world_size: int, *, here: bool = True) -> None:
         """The rollout engine against the launch and the model: installed (here), its tensor-parallel
         size dividing the world and the heads, a precision it runs, a context that holds prompt +
         response."""
@@ -166,6 +167,15 @@ class Recipe:
             check_layers_here(self.model, sequence_parallel=self.parallel.sequence_parallel)
         return dp
 
+    def _check_trackers(self) -> None:
+        """wandb / mlflow in trainer.logger need their package here (not for `plan` on another machine)."""
+        from ..rl.trackers import check_installed
+
+        try:
+            check_installed(self.trainer.logger)
+        except ValueError as err:
+            raise ValueError(f"trainer: {err}") from None
+
     def _check_samples(self) -> None:
         if self.rollout.n < 2:
             raise ValueError(f"rollout.n={self.rollout.n}: group advantages ({self.algorithm.advantage_estimator}) "
@@ -197,6 +207,23 @@ class Recipe:
             raise ValueError(f"model.token_vocab_size={rows} is smaller than the vocabulary of the task's tokenizer "
                              f"({task.tokenizer.vocab_size} tokens): its ids from {rows} on could never be sampled; "
                              "leave model.token_vocab_size unset (the recipe takes it from the tokenizer)")
+        self._check_validation()
+
+    def _check_validation(self) -> None:
+        """Validation keys only with data.val_files, and those files readable (each file's first row)."""
+        if not self.data.val_files:
+            asked = [f"trainer.{k}={getattr(self.trainer, k)}" for k in ("test_freq", "val_only", "log_val_generations")
+                     if getattr(self.trainer, k)]
+            if asked:
+                raise ValueError(f"{', '.join(asked)} validate on data.val_files, which is not set: set data.val_files "
+                                 "(parquet / JSONL in the training data's schema) or remove these keys")
+            return
+        from ..rl.validation import open_val_dataset
+
+        try:
+            open_val_dataset(self.data, tokenizer_dir=self.model.hf_checkpoint)
+        except ValueError as err:
+            raise ValueError(f"data.val_files: {err}") from None
 
 
 def divisors(n: int) -> list[int]:

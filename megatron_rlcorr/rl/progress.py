@@ -1,6 +1,7 @@
-"""Per-step progress line, `runs/<name>/metrics.jsonl`, and TensorBoard events when installed.
+"""Per-step metrics: `runs/<name>/metrics.jsonl` always, the console line and the trackers of trainer.logger.
 
-Metrics arrive as 0-d device tensors; they become Python floats here, once per step.
+Metrics arrive as 0-d device tensors; they become Python floats here, once per step, and every
+destination gets that same record (TensorBoard, wandb and MLflow through rl/trackers.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
+
+from .trackers import open_trackers
 
 CONSOLE_KEYS = (
     ("reward", "reward_mean"), ("acc", "reward/acc_mean"), ("len", "response_length_mean"),
@@ -29,10 +32,10 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool, *,
                  trackers: Sequence[str] = ("console", "tensorboard"), project: str = "megatron-rlcorr",
                  experiment: str = "run", config: Mapping | None = None, resume_step: int = 0) -> None:
-        tensorboard = "tensorboard" in trackers
         self.enabled, self.total_steps = enabled, total_steps
+        self.console = "console" in trackers
         self.path = run_dir / "metrics.jsonl"
-        self.writer = None
+        self.trackers = []
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -40,12 +43,8 @@ class MetricsLogger:
             self.path.unlink()
         elif resume_step:
             _truncate_after(self.path, resume_step)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self.writer = None
+        self.trackers = open_trackers(trackers, run_dir, project=project, experiment=experiment,
+                                      config=config or {}, resume_step=resume_step)
 
     def log(self, step: int, metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
         values = {k: float(v) for k, v in metrics.items()}  # the one host transfer per step
@@ -54,11 +53,10 @@ class MetricsLogger:
         record = {"step": step, "time": time.time(), **values}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in values.items():
-                self.writer.add_scalar(key, value, step)
-            self.writer.flush()
-        print(self.console_line(step, values), flush=True, file=sys.stdout)
+        for tracker in self.trackers:
+            tracker.log(step, values)
+        if self.console:
+            print(self.console_line(step, values), flush=True, file=sys.stdout)
         return values
 
     def console_line(self, step: int, values: Mapping[str, float]) -> str:
@@ -69,8 +67,11 @@ class MetricsLogger:
         return f"[{bar}] step {step}/{self.total_steps} {fields}"
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """Close the trackers; called from the loop's `finally`, so an exception in flight marks them failed."""
+        failed = sys.exc_info()[0] is not None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close(failed)
 
 
 def _truncate_after(path: Path, step: int) -> None:

@@ -24,15 +24,18 @@ Two exchanges per step, sized so that nothing of O(tokens) goes to every rank:
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..data import Prompt, Task
-from ..parallel.groups import ParallelGroups
 from ..rollout import RolloutConfig, RolloutEngine
 from .advantages import OverlongPenalty
 from .sampling import RolloutGroups, generate_groups
+
+if TYPE_CHECKING:  # Megatron-Core is imported inside the process groups only (runtime.py)
+    from ..parallel.groups import ParallelGroups
 
 _COLUMNS = 5  # length, eos, score, acc, reward
 _EXACT_IDS = 1 << 24  # float32 holds every integer below this exactly

@@ -148,7 +148,7 @@ def generate_groups(engine: RolloutEngine, task: Task, prompts: list[Prompt], *,
     """Sample `rollout.n` responses for each prompt (prompt i's from seeds[i]) and score them."""
     n, num_prompts = rollout.n, len(prompts)
     out = engine.sample_groups([p.ids for p in prompts], n=n, seeds=seeds, max_new_tokens=rollout.max_new_tokens,
-                               temperature=rollout.temperature, top_p=rollout.top_p)
+                               temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
     scored = [score_response(task, prompts[i // n], response) for i, response in enumerate(out.response_ids)]
     scores_GN, acc_GN = torch.tensor(scored, dtype=torch.float32).reshape(num_prompts, n, 2).unbind(-1)
     rewards_GN = scores_GN

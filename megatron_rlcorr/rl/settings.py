@@ -54,11 +54,9 @@ class TrainerSettings:
     logger: tuple[TrackerName, ...] = ("console", "tensorboard")
     project_name: str = "megatron-rlcorr"  # the tracker's project (wandb) / experiment (mlflow)
     experiment_name: str | None = None  # the tracker's run name; None: the recipe's name
-    # Validation on data.val_files (verl's keys): every test_freq steps and at the last step (0 = never in
-    # the loop), at step 0 before training (val_before_train), or only that (val_only: no training)
-    test_freq: int = 0
-    val_before_train: bool = True
-    val_only: bool = False
+    test_freq: int = 0             # validate every test_freq steps and at the last step; 0 = never in the loop
+    val_before_train: bool = True  # validate the starting weights at step 0 (a fresh run; a resume does not repeat it)
+    val_only: bool = False         # validate the starting weights once and stop: no training, no checkpoint
     log_val_generations: int = 0   # samples per validation written to runs/<name>/val_generations/step_<k>.jsonl
     exit_interval: int = 0         # Megatron's --exit-interval: save and stop after steps divisible by it; 0 = off
     save_hf: bool = False          # at the end of the run, also write <run_dir>/hf as a Hugging Face checkpoint

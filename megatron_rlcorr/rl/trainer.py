@@ -12,6 +12,11 @@ One step:
 2. Decoupled mode: pi_old log-probs by a forward pass before any update (bypass mode skips it).
 3. `ppo_epochs` passes over the batch in mini-batches, one optimizer step each.
 4. The updated weights are streamed (model/weight_stream.py) into every rank's engine.
+5. Validation on data.val_files (rl/validation.py) with those weights, every trainer.test_freq
+   steps and at the last step, logged with the step's metrics; also before training, logged at
+   step 0 (trainer.val_before_train, a fresh run only), or only that (trainer.val_only: at the step
+   the run starts from, no training). Its samples are seeded by (seed, step, prompt index), so a
+   resumed run validates like the uninterrupted one.
 
 Metrics are 0-d tensors until the once-per-step log. Checkpoints are Megatron-Core distributed
 checkpoints (training/checkpoint.py): model, optimizer, scheduler, RNG states, the step and a
@@ -55,6 +60,7 @@ from .progress import MetricsLogger
 from .rollout_world import sample_round, share_of_replica
 from .sampling import RolloutGroups, SamplingStats, derive_seed, dynamic_sample, seeded_generator
 from .settings import AlgorithmSettings, TrainerSettings
+from .validation import load_val_prompts, validate, write_generations
 
 
 
@@ -122,6 +128,9 @@ class Trainer:
         self.engine = make_engine(recipe.rollout, recipe.model, eos_token_id=tok.eos_ids, pad_token_id=tok.pad_id,
                                   device=self.device, max_model_len=max_model_len,
                                   seed=trainer.seed)
+        # Validation prompts (data.val_files), read once: every usable row, in file order.
+        self.val_task, self.val_prompts = (load_val_prompts(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint)
+                                           if recipe.data.val_files else (None, []))
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -133,9 +142,18 @@ class Trainer:
                                project=trainer.project_name, experiment=trainer.experiment_name or self.recipe.name,
                                config=self.recipe.raw, resume_step=start)
         try:
+            if trainer.val_only or (start == 0 and trainer.val_before_train and self.val_prompts):
+                logger.log(start, self.validate(start))  # before training, on its own record (verl's step 0)
+            if trainer.val_only:
+                if self.rank0:
+                    print(f"trainer.val_only: validated the weights of step {start}; no training", flush=True)
+                return self.run_dir
             for step in range(start + 1, trainer.steps + 1):
                 metrics = self.train_step(step)
-                if step % trainer.log_every == 0 or step == trainer.steps:
+                validating = self.validates_at(step)
+                if validating:
+                    metrics.update(self.validate(step))
+                if step % trainer.log_every == 0 or step == trainer.steps or validating:
                     logger.log(step, metrics)
                 exiting = bool(trainer.exit_interval) and step % trainer.exit_interval == 0
                 if step == trainer.steps or exiting or (trainer.save_every and step % trainer.save_every == 0):
@@ -154,6 +172,44 @@ class Trainer:
         if self.rank0:
             print(f"metrics: {logger.path}", flush=True)
         return self.run_dir
+
+    # ---- validation -----------------------------------------------------------------------------
+
+    def validates_at(self, step: int) -> bool:
+        """In the loop: every trainer.test_freq steps and at the last step (test_freq 0: never)."""
+        freq = self.recipe.trainer.test_freq
+        return bool(self.val_prompts) and freq > 0 and (step % freq == 0 or step == self.recipe.trainer.steps)
+
+    def validate(self, step: int) -> dict[str, float]:
+        """The validation metrics of the engine's current weights (rl/validation.py; collective
+        over the world); trainer.log_val_generations records go to val_generations/step_<step>.jsonl.
+        The engine and the trainer's states are left as found: with trainer offload the states
+        leave the GPU while the engine generates, as for rollouts."""
+        trainer, rollout = self.recipe.trainer, self.recipe.rollout
+        t0 = time.perf_counter()
+        if self.offload.enabled:
+            self.offload.offload()
+            self.engine.wake_up(["kv_cache"])
+        result = validate(self.engine, self.val_task, self.val_prompts, rollout.val_kwargs,
+                          max_new_tokens=rollout.max_new_tokens, groups=self.groups, seed=trainer.seed, step=step,
+                          device=self.device, max_records=trainer.log_val_generations)
+        if self.offload.enabled:
+            self.engine.sleep()
+            self.offload.reload()
+            self._wake_weights()
+        if self.rank0 and trainer.log_val_generations:
+            write_generations(result.records, self.run_dir / "val_generations" / f"step_{step}.jsonl")
+        return {**result.metrics, "timing/val_s": time.perf_counter() - t0}
+
+    def _wake_weights(self) -> None:
+        """After a sleep, the weights as _push_weights left them (the KV cache stays asleep): vLLM's
+        sleep level 2 dropped them, so they are streamed again; level 1 kept them in host memory.
+        (The embedded engine never sleeps: a second load would also shift its policy-lag history.)"""
+        rollout = self.recipe.rollout
+        if rollout.engine == "vllm" and rollout.sleep_level == 2:
+            self._push_weights()
+        else:
+            self.engine.wake_up(["weights"])
 
     def train_step(self, step: int) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()

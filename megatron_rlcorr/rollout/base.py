@@ -9,14 +9,21 @@ that is what makes rollouts identical under every parallel layout (rl/rollout_wo
 Engines that hold accelerator memory give it back while the trainer runs (`sleep`, `wake_up`).
 
 Log-prob convention (`RolloutConfig.logprobs`):
-- "tempered" (default): log_softmax(logits / temperature) of the sampled token, BEFORE top-p
-  truncation, computed from the engine's logits cast to float32. This is the distribution the
+- "tempered" (default): log_softmax(logits / temperature) of the sampled token, BEFORE top-k and
+  top-p truncation, computed from the engine's logits cast to float32. This is the distribution the
   trainer recomputes (it divides its logits by the same temperature and never truncates), so the
   ratio between the two measures numerical mismatch only. It equals vLLM's "processed_logprobs"
-  whenever top_p == 1. With temperature 0 (greedy) the untempered log_softmax(logits) is reported.
+  whenever top_p == 1 and top-k is off. With temperature 0 (greedy) the untempered
+  log_softmax(logits) is reported, and top-k and top-p are ignored (as vLLM resets them).
 - "processed": the log-probability under the distribution actually sampled from: tempered, then
-  top-p truncated and renormalised (vLLM's "processed_logprobs" with top_p < 1). Under this
-  convention top-p truncation itself shows up as off-policy mass in the correction.
+  truncated to the top_k most likely tokens, then to the top-p nucleus of what is left, and
+  renormalised over the kept tokens (vLLM's "processed_logprobs", and its order: top-k first, top-p
+  on the renormalised top-k distribution). Under this convention the truncation itself shows up as
+  off-policy mass in the correction.
+Top-k keeps exactly k tokens (fewer only when the vocabulary is smaller; k = 0 or -1: off): a tie
+at the k-th largest logit goes to the lower token ids, so top_k = 1 is greedy (argmax's first
+maximum). vLLM's batched Triton kernel breaks ties the same way; its sort-based path (CPU, or
+batches under 8 requests) keeps every tied token, which only differs on exactly equal logits.
 """
 from __future__ import annotations
 
@@ -57,9 +64,9 @@ class ValSampling:
     meaning); the defaults are verl's: one greedy sample per prompt."""
 
     n: int = 1                 # samples per validation prompt (mean@n, best@k, maj@k, pass@k for k <= n)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0             # 0 or -1 = off
+    temperature: float = 0.0   # used only with do_sample (then 0 is greedy too)
+    top_p: float = 1.0         # nucleus sampling (1 = off)
+    top_k: int = 0             # the k likeliest tokens only, before top_p (0 or -1 = off)
     do_sample: bool = False    # false: greedy (temperature 0), as verl
 
     def __post_init__(self) -> None:
@@ -93,10 +100,10 @@ class RolloutConfig:
     precision: Precision = "bf16"     # the engine's weights and math: fp32 | bf16 | fp8 (the mismatch source)
     temperature: float = 1.0          # sampling temperature (0 = greedy; vLLM: 0 or >= 0.01); the trainer divides by it too
     top_p: float = 1.0                # nucleus sampling (1 = off); with vLLM, < 1 needs logprobs: processed
-    top_k: int = 0                    # sample among the k most likely tokens only (0 or -1 = off, as vLLM)
+    top_k: int = 0                    # the k likeliest tokens only (0/-1 = off); vLLM: >= 1 needs logprobs: processed
     max_new_tokens: int = 16          # response length limit; longer responses end with finish_reason "length"
     n: int = 8                        # samples per prompt: the group of GRPO/RLOO advantages
-    logprobs: LogprobsMode = "tempered"  # tempered: before top-p, as the trainer computes it | processed: after
+    logprobs: LogprobsMode = "tempered"  # tempered: before top-k/top-p, as the trainer computes it | processed: after
     weight_sync_bucket_mb: int = 512  # the weight stream to the engine moves this much at a time
     tensor_parallel_size: int = 1     # ranks per rollout group (one engine each)
     gpu_memory_utilization: float = 0.6  # vLLM: share of GPU memory for its weights and KV cache
@@ -222,9 +229,10 @@ class RolloutEngine(Protocol):
         ...
 
     def sample_groups(self, prompts: Sequence[Sequence[int]], *, n: int, seeds: Sequence[int], max_new_tokens: int,
-                      temperature: float = 1.0, top_p: float = 1.0) -> RolloutBatch:
+                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> RolloutBatch:
         """`n` sampled responses per prompt, prompt-major (prompt i's sample j at row i * n + j); a
-        sequence stops at EOS or after max_new_tokens. Prompt i's samples are a function of the
+        sequence stops at EOS or after max_new_tokens. top_k: the k most likely tokens only (0 or
+        -1: off), applied before top_p (module docstring). Prompt i's samples are a function of the
         weights, the prompt and seeds[i] alone: never of the other prompts of the call, so that
         however the prompts are spread over engines the same samples come back."""
         ...

@@ -291,11 +291,11 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, generator: torch.Generator | None = None) -> RolloutBatch:
+                 top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None) -> RolloutBatch:
         self._check_ready(prompts)
-        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1; got {max_new_tokens}, "
-                             f"{temperature}, {top_p}")
+        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1 or top_k < -1:
+            raise ValueError(f"need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= -1 (0 or -1: "
+                             f"off); got {max_new_tokens}, {temperature}, {top_p}, {top_k}")
         tokens_BL, pads_B = _left_pad(prompts, self.pad_token_id, self.device)
         batch, width = tokens_BL.shape
         cache = self._new_cache(batch, width + max_new_tokens)
@@ -307,7 +307,7 @@ class EmbeddedEngine:
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         sampled, logprobs = [], []
         for step in range(max_new_tokens):
-            token_B, logprob_B = _sample(logits_BV, temperature, top_p, generator, self.logprobs_mode)
+            token_B, logprob_B = _sample(logits_BV, temperature, top_p, top_k, generator, self.logprobs_mode)
             lengths += ~finished
             sampled.append(token_B.masked_fill(finished, self.pad_token_id))
             logprobs.append(logprob_B)
@@ -324,7 +324,7 @@ class EmbeddedEngine:
         return _to_batch(prompts, torch.stack(sampled, 1), torch.stack(logprobs, 1), lengths, finished)
 
     def sample_groups(self, prompts: Sequence[Sequence[int]], *, n: int, seeds: Sequence[int], max_new_tokens: int,
-                      temperature: float = 1.0, top_p: float = 1.0) -> RolloutBatch:
+                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> RolloutBatch:
         """`n` samples of each prompt (base.RolloutEngine.sample_groups). Each prompt's n rows are
         generated as one batch of their own, with a generator seeded by its seed: batching
         prompts together would let the others' padding and batch size change its float rounding,
@@ -332,7 +332,7 @@ class EmbeddedEngine:
         if len(seeds) != len(prompts):
             raise ValueError(f"sample_groups: {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
         parts = [self.generate([list(prompt)] * n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                               generator=torch.Generator(self.device).manual_seed(seed))
+                               top_k=top_k, generator=torch.Generator(self.device).manual_seed(seed))
                  for prompt, seed in zip(prompts, seeds)]
         return RolloutBatch(prompt_ids=[p for part in parts for p in part.prompt_ids],
                             response_ids=[r for part in parts for r in part.response_ids],
@@ -368,21 +368,37 @@ class EmbeddedEngine:
         return [logp_BT[i, width - 1 - len(r): width - 1].clone() for i, r in enumerate(responses)]
 
 
-def _sample(logits_BV: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
-            mode: LogprobsMode) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled token ids and their float32 log-probs (see base.py for the convention)."""
-    if temperature == 0:
+def _sample(logits_BV: torch.Tensor, temperature: float, top_p: float, top_k: int,
+            generator: torch.Generator | None, mode: LogprobsMode) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled token ids and their float32 log-probs (see base.py for the convention): top-k on the
+    tempered distribution, then top-p on what top-k left, renormalised (vLLM's order)."""
+    if temperature == 0:  # greedy: top-k and top-p change nothing (argmax is always kept)
         token_B = logits_BV.argmax(dim=-1)
         return token_B, torch.log_softmax(logits_BV, dim=-1).gather(-1, token_B[:, None]).squeeze(-1)
     logp_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
-    sample_logp_BV = _nucleus(logp_BV, top_p) if top_p < 1 else logp_BV
-    token_B = torch.multinomial(sample_logp_BV.exp(), 1, generator=generator).squeeze(-1)
+    sample_logp_BV = logp_BV
+    if 0 < top_k < logp_BV.shape[-1]:  # renormalised: the nucleus is measured in the top-k distribution
+        sample_logp_BV = torch.log_softmax(_top_k(logp_BV, top_k), dim=-1)
+    if top_p < 1:
+        sample_logp_BV = _nucleus(sample_logp_BV, top_p)
+    token_B = torch.multinomial(sample_logp_BV.exp(), 1, generator=generator).squeeze(-1)  # it normalises
     reported = torch.log_softmax(sample_logp_BV, dim=-1) if mode == "processed" else logp_BV
     return token_B, reported.gather(-1, token_B[:, None]).squeeze(-1)
 
 
+def _top_k(logp_BV: torch.Tensor, k: int) -> torch.Tensor:
+    """logp with -inf outside the k most likely tokens: exactly k, a tie at the k-th value going to
+    the lower token ids (vLLM's batched kernel's rule; top_k = 1 is then argmax). No sort: the k-th
+    value, then a running count of the tokens equal to it."""
+    kth_B1 = logp_BV.topk(k, dim=-1).values[:, -1:]
+    above_BV, tied_BV = logp_BV > kth_B1, logp_BV == kth_B1
+    room_B1 = k - above_BV.sum(dim=-1, keepdim=True)
+    keep_BV = above_BV | (tied_BV & (tied_BV.cumsum(dim=-1) <= room_B1))
+    return logp_BV.masked_fill(~keep_BV, float("-inf"))
+
+
 def _nucleus(logp_BV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """logp with -inf outside the smallest set of most likely tokens whose mass reaches top_p."""
+    """logp (normalised) with -inf outside the smallest set of most likely tokens whose mass reaches top_p."""
     sorted_logp, order = logp_BV.sort(dim=-1, descending=True)
     probs = sorted_logp.exp()
     mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always has 0 before it

@@ -51,8 +51,11 @@ sampling does not read them: every request carries its seed.
 
 Sampling, under our conventions (rollout/base.py), as vLLM 0.25.1's default (V2) model runner does it:
 - `logprobs_mode="processed_logprobs"` with `SamplingParams(logprobs=0)`: the sampled token's
-  log-prob after temperature (and top-p), what the trainer recomputes; top_k off. With top_p < 1
-  that is the truncated distribution, so `rollout.logprobs: processed` is required then.
+  log-prob after temperature (and top-k, top-p), what the trainer recomputes when neither
+  truncates. With top_p < 1 or top_k on (`top_k` >= 1; 0 and -1 are off, both passed as 0) that
+  is the truncated distribution (top-k first, then top-p, renormalised), so `rollout.logprobs:
+  processed` is required then. `rollout.val_kwargs` is not held to this: validation reads no
+  log-probs.
 - temperatures: vLLM samples any temperature in (0, 0.01) at 0.01 (with a warning only), while the
   trainer divides by the configured one: RolloutConfig refuses them for this engine, and so does
   `sample_groups`. Above 2 and greedy with n > 1 vLLM refuses (check_vllm_settings says so first).
@@ -102,6 +105,10 @@ def check_vllm_settings(cfg: RolloutConfig, model: ModelConfig, *, here: bool = 
         raise ValueError(f"rollout.top_p={cfg.top_p} with vLLM: its processed log-probs are those of the top-p "
                          "truncated distribution; set rollout.logprobs: processed (the correction then counts the "
                          "truncation as off-policy mass), or top_p: 1")
+    if cfg.top_k > 0 and cfg.logprobs != "processed":
+        raise ValueError(f"rollout.top_k={cfg.top_k} with vLLM: its processed log-probs are those of the top-k "
+                         "truncated distribution; set rollout.logprobs: processed (the correction then counts the "
+                         "truncation as off-policy mass), or top_k: 0 (off)")
     if cfg.temperature == 0 and cfg.n > 1:
         raise ValueError(f"rollout.temperature: 0 (greedy) with rollout.n={cfg.n}: vLLM refuses n > 1 for greedy "
                          "sampling, and n greedy samples would be identical; use a temperature > 0")
@@ -273,7 +280,7 @@ class VLLMEngine:
         self._weights_current = True
 
     def sample_groups(self, prompts: Sequence[Sequence[int]], *, n: int, seeds: Sequence[int], max_new_tokens: int,
-                      temperature: float = 1.0, top_p: float = 1.0) -> RolloutBatch:
+                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> RolloutBatch:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -286,8 +293,9 @@ class VLLMEngine:
             raise RuntimeError("the vLLM engine holds no complete trainer weights (none loaded yet, a sync did not "
                                "finish, or sleep(level=2) dropped them): load_weights before generating")
         self.wake_up()
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
-                                 logprobs=0, seed=seed, stop_token_ids=list(self.eos_ids), detokenize=False)
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+                                 max_tokens=max_new_tokens, logprobs=0, seed=seed, stop_token_ids=list(self.eos_ids),
+                                 detokenize=False)
                   for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         rows, responses, logprobs = [], [], []

@@ -25,8 +25,9 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny_hf_cpu.yaml"
+# Validation is tested in test_validation.py: off here.
 SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.logger=[console]",
-         "algorithm.dynamic_sampling.enabled=true"]
+         "algorithm.dynamic_sampling.enabled=true", "data.val_files=[]", "trainer.test_freq=0"]
 TEMPERATURE = 0.7
 
 
@@ -54,8 +55,8 @@ def test_dataset_run_resumes_with_the_next_prompts(tiny_hf, tmp_path):
     whole, first_half, resumed = run_distributed(train_runs, 2, runs)[0]
     assert resumed[:2] == first_half
     assert [deterministic(r) for r in resumed] == [deterministic(r) for r in whole]
-    # 4 prompts a step from a 100-row file, read in order: the position is in the checkpoint
-    assert [r["data/epoch"] for r in whole] == pytest.approx([0.04, 0.08, 0.12, 0.16])
+    # 4 prompts a step from an 80-row file, read in order: the position is in the checkpoint
+    assert [r["data/epoch"] for r in whole] == pytest.approx([0.05, 0.1, 0.15, 0.2])
     max_new_tokens, samples = 8, 4 * 4  # the recipe's rollout.max_new_tokens; round 0: prompts x rollout.n
     for record in whole:
         assert record["data/round0_dropped_long_prompts"] == 0  # every prompt of the file fits

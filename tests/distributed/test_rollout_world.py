@@ -84,7 +84,7 @@ class _SeededEngine:
     """A stand-in engine whose samples are a function of (prompt, seed, sample index) only, as the
     interface requires; responses of 1 to 4 tokens, some ending in EOS."""
 
-    def sample_groups(self, prompts, *, n, seeds, max_new_tokens, temperature=1.0, top_p=1.0):
+    def sample_groups(self, prompts, *, n, seeds, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0):
         from megatron_rlcorr.rollout import RolloutBatch
 
         rows, responses, logprobs, finish = [], [], [], []

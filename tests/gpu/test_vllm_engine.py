@@ -4,7 +4,8 @@ One torchrun-like rank (RANK/LOCAL_RANK 0, world 1, tensor_parallel_size 1) on t
 checkpoint: the trainer's conventions hold against vLLM itself, not only against the stand-in
 (tests/unit/test_vllm_engine.py): weights from a stream replace the dummy ones, processed log-probs
 equal the float32 log-softmax of the Hugging Face model's tempered logits to bf16 accuracy, a
-prompt's samples are those of its seed, responses end on EOS or at the cap, and a sleep/wake/load
+prompt's samples are those of its seed, responses end on EOS or at the cap, with top_k (bf16) the
+samples stay among the k most likely and the log-probs renormalise over them, and a sleep/wake/load
 cycle gives the same samples again. Building the engine leaves the process's RNG states as they
 were, and a sync that leaves a weight out raises naming it (vLLM's own names), after which a
 complete one is accepted. With rollout.precision fp8 (vLLM's online fp8) every sync goes through
@@ -112,6 +113,17 @@ def _run(tiny_hf: Path, precision: str) -> None:
         assert errors.max() < 0.05, errors  # bf16 vs fp32
     else:  # fp8 weights and activations: looser, but random (dummy) weights would be off by whole nats
         assert errors.mean() < 0.15 and errors.max() < 0.6, errors
+    if precision == "bf16":  # top-k: vLLM's processed log-probs renormalise over the k kept tokens
+        top = engine.sample_groups(prompts, n=4, seeds=[5, 6], max_new_tokens=8, temperature=0.8, top_k=3)
+        for prompt, ids, logprobs in zip(top.prompt_ids, top.response_ids, top.logprobs):
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + ids], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+            logp = torch.log_softmax(logits / 0.8, dim=-1)
+            third = logp.topk(3, dim=-1).values[:, -1]
+            chosen = logp[torch.arange(len(ids)), torch.tensor(ids)]
+            assert (chosen >= third - 0.05).all(), "a token outside the 3 most likely (beyond bf16 near-ties)"
+            kept = logp.topk(3, dim=-1).values.logsumexp(-1)
+            assert ((logprobs - (chosen - kept).cpu()).abs() < 0.05).all(), (logprobs, chosen - kept)
     engine.sleep()
     engine.wake_up(["weights"])
     engine.load_weights(iter(weights.items()))

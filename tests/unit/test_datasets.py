@@ -405,8 +405,8 @@ def test_build_task_with_files_is_a_dataset(tmp_path, tok_dir):
     assert task.tokenizer.path == tok_dir and task.num_rows == 6
     prompt = task.take(0, 1).prompts[0]
     answer = f"Answer: {prompt.answer}"
-    assert task.reward(prompt, task.tokenizer.encode_prompt(answer) + [IM_END_ID]) == 1.0  # dapo_math
-    assert task.reward(prompt, task.tokenizer.encode_prompt("Answer: 1000")) == -1.0
+    assert task.reward(prompt, task.tokenizer.encode_prompt(answer) + [IM_END_ID])["score"] == 1.0  # dapo_math
+    assert task.reward(prompt, task.tokenizer.encode_prompt("Answer: 1000"))["score"] == -1.0
     again = build_task(data_settings(train_files=[str(path)], tokenizer=str(tok_dir)), tokenizer_dir=None, seed=1)
     other = build_task(data_settings(train_files=[str(path)]), tokenizer_dir=str(tok_dir), seed=2)
     assert indices(again.take(0, 6)) == indices(task.take(0, 6)) != indices(other.take(0, 6))

@@ -58,7 +58,7 @@ def test_configuration_reference_covers_every_recipe_section():
 
     gen = _generator()
     keys = {section.key for section in gen.sections()}
-    assert {"model", "model.fp8", "model.recompute", "parallel", "rollout", "data", "algorithm",
+    assert {"model", "model.fp8", "model.recompute", "parallel", "rollout", "rollout.val_kwargs", "data", "algorithm",
             "algorithm.dynamic_sampling", "algorithm.overlong_penalty", "algorithm.kl_loss", "algorithm.kl_in_reward",
             "algorithm.reference", "algorithm.loss", "algorithm.rollout_correction", "optim", "trainer"} == keys
     # Every key the page lists is one the recipe parser accepts (its default, given explicitly).
@@ -290,7 +290,16 @@ def _metrics(path: Path) -> None:
                    "rollout_corr/k3_kl": 1e-3, "timing/step_s": 0.2} for s in range(1, 31)])
 
 
+def _imported_32b(path: Path) -> None:
+    """verl's 32B DAPO script imported with its architecture, as coming-from-verl.md's commands do."""
+    from megatron_rlcorr.recipe.verl import import_verl, write_recipe
+
+    write_recipe(import_verl(ROOT / "tests" / "verl_scripts" / "dapo_qwen2_5_32b_rollout_corr.sh",
+                             overrides=["model.architecture=qwen2.5-32b"]), path)
+
+
 FIXTURES: dict[str, Callable[[Path], None]] = {
+    "my_run.yaml": _imported_32b,
     "scored.jsonl": _scored,
     "runs/my_run": _run_dir,
     "runs/tiny_cpu/metrics.jsonl": _metrics,

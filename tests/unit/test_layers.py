@@ -22,7 +22,7 @@ LAYERS = {
     "rl": 7,
     "recipe": 8,
     "runtime": 9, "analysis": 9,
-    "train": 10, "score": 10, "export": 10, "plan": 10, "analyze": 10,
+    "train": 10, "score": 10, "eval": 10, "export": 10, "plan": 10, "analyze": 10,
     "cli": 11,
 }
 

@@ -42,15 +42,21 @@ def rows(out):
     return pq.read_table(out / "data" / "train.parquet").to_pylist()
 
 
+@pytest.fixture(scope="module")
+def val_rows(out):
+    return pq.read_table(out / "data" / "val.parquet").to_pylist()
+
+
 def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_files(out):
     assert sorted(p.name for p in (out / "model").iterdir()) == sorted(mk.MODEL_FILES)
-    assert (out / "data" / "train.parquet").is_file()
+    assert (out / "data" / "train.parquet").is_file() and (out / "data" / "val.parquet").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["seed"] == 0 and manifest["rows"] == 100 and manifest["parameters"] == 140_480
+    assert manifest["seed"] == 0 and manifest["rows"] == 80 and manifest["val_rows"] == 20
+    assert manifest["parameters"] == 140_480
 
 
 def test_config_is_a_small_qwen2(out, model, tokenizer):
@@ -112,22 +118,35 @@ def test_generation_config(out, model):
     assert model.generation_config.eos_token_id == [2, 0]
 
 
-def test_parquet_has_the_dapo_schema(out, rows):
-    schema = pq.read_schema(out / "data" / "train.parquet")
-    assert schema.names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
-    assert schema.field("prompt").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    assert schema.field("reward_model").type == pa.struct([("ground_truth", pa.string()), ("style", pa.string())])
-    assert schema.field("extra_info").type == pa.struct([("index", pa.int64())])
-    pairs = set()
-    for index, row in enumerate(rows):
+def test_parquet_has_the_dapo_schema(out, rows, val_rows):
+    for name in ("train.parquet", "val.parquet"):
+        schema = pq.read_schema(out / "data" / name)
+        assert schema.names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+        assert schema.field("prompt").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+        assert schema.field("reward_model").type == pa.struct([("ground_truth", pa.string()),
+                                                               ("style", pa.string())])
+        assert schema.field("extra_info").type == pa.struct([("index", pa.int64()), ("a", pa.int64()),
+                                                             ("b", pa.int64())])
+    pairs, indices = set(), set()
+    for row in rows + val_rows:
         assert row["data_source"] == "math_dapo" and row["ability"] == "math"
-        assert row["extra_info"] == {"index": index}
         [message] = row["prompt"]
         assert message["role"] == "user"
         a, b = map(int, QUESTION.fullmatch(message["content"]).groups())
         assert row["reward_model"] == {"ground_truth": str(a + b), "style": "rule"}
+        assert row["extra_info"]["a"] == a and row["extra_info"]["b"] == b
         pairs.add((a, b))
-    assert len(rows) == len(pairs) == 100
+        indices.add(row["extra_info"]["index"])
+    assert len(rows) + len(val_rows) == len(pairs) == len(indices) == 100
+
+
+def test_validation_split_is_held_out_with_mirrors_in_training(rows, val_rows):
+    """Every held-out sum a+b has a < b and its mirror b+a in the training split, never itself."""
+    train = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows}
+    held_out = [(r["extra_info"]["a"], r["extra_info"]["b"]) for r in val_rows]
+    assert len(held_out) == mk.VAL_ROWS == 20
+    for a, b in held_out:
+        assert a < b and (a, b) not in train and (b, a) in train
 
 
 def test_seed_orders_the_rows():
@@ -137,7 +156,7 @@ def test_seed_orders_the_rows():
 
 
 def test_warm_up_accuracy_at_temperature_1(out, model, tokenizer, rows):
-    """transformers' own sampler, 4 samples of each of the 100 prompts, scored by verl's DAPO verifier."""
+    """transformers' own sampler, 4 samples of each of the 80 training prompts, scored by verl's DAPO verifier."""
     prompts = torch.tensor([mk.prompt_ids(tokenizer, row["prompt"]) for row in rows for _ in range(4)])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)

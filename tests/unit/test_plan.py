@@ -194,3 +194,20 @@ def test_a_planned_recipe_needs_its_checkpoint_to_launch():
     assert recipe.check_layout(8, here=False) == 2
     with pytest.raises(ValueError, match="model.hf_checkpoint=/path/to/Qwen2.5-7B is not a directory: download"):
         recipe.check_layout(8)
+
+
+def test_plan_runs_without_the_trackers_packages(tmp_path, monkeypatch):
+    """A recipe that logs to wandb launches only where wandb is installed (the launch check refuses it
+    with the install line), but plan runs anywhere, as the imported verl DAPO recipes log to wandb."""
+    import megatron_rlcorr.rl.trackers as trackers
+
+    monkeypatch.setattr(trackers, "OPTIONAL_TRACKERS", {**trackers.OPTIONAL_TRACKERS,
+                                                        "wandb": ("no_such_package_for_the_test", "wandb")})
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base: {R32}\ntrainer:\n  logger: [console, wandb]\n")
+    with pytest.raises(ValueError, match=r"pip install -e \.\[wandb\]"):
+        trackers.check_installed(load_recipe(recipe).trainer.logger)      # what the launch check runs
+    report = plan_report(recipe, [], nodes=16, gpus_per_node=8)
+    assert report["fits"]
+    assert report["memory_gib_per_gpu"] == plan_report(R32, [], nodes=16, gpus_per_node=8)["memory_gib_per_gpu"]
+    assert main(["plan", str(recipe), "--nodes", "16", "--gpus-per-node", "8", "--search"]) == 0

@@ -295,10 +295,11 @@ def test_math_verify_real_package():
 
 def test_builtins_take_three_arguments():
     assert REWARDS == ("dapo_math", "boxed_math", "math_verify")
-    dapo = get_reward_fn("dapo_math")
-    assert dapo("Answer: 34", "34", {"id": 1}) == 1.0
-    assert dapo("Answer: 34", 34, {}) == 1.0  # a JSON number ground truth is str()-ed
-    assert dapo("Answer: 35", "34", {}) == -1.0
+    dapo = get_reward_fn("dapo_math")  # verl's compute_score result: score, acc and the normalised prediction
+    assert dapo("Answer: 34", "34", {"id": 1}) == {"score": 1.0, "acc": 1.0, "pred": "34"}
+    assert dapo("Answer: 34", 34, {}) == {"score": 1.0, "acc": 1.0, "pred": "34"}  # a JSON number is str()-ed
+    assert dapo("Answer: 35", "34", {}) == {"score": -1.0, "acc": 0.0, "pred": "35"}
+    assert dapo("no answer", "34", {})["pred"] == "[INVALID]"
     assert dapo.__name__ == "dapo_math"
     boxed = get_reward_fn("boxed_math")
     assert boxed("\\boxed{2}", "2", {}) == 1.0 and boxed("2", "2", {}) == -1.0
@@ -354,3 +355,61 @@ def test_malformed_custom_name(name):
 
 def test_module_docstring_names_verl_commit():
     assert "b178a3cd" in rewards.__doc__
+
+
+# --- data.reward per data source ------------------------------------------------------------------
+
+def test_a_mapping_scores_each_row_by_its_data_source(tmp_path, monkeypatch):
+    _write_module(tmp_path, monkeypatch, "source_rewards_mod", """
+        def graded(response, ground_truth, extra):
+            return {"score": 0.5, "acc": response == ground_truth, "source": extra["data_source"]}
+    """)
+    fn = get_reward_fn({"math_dapo": "dapo_math", "aime": "boxed_math", "custom": "source_rewards_mod:graded"})
+    # the same response, scored by the reward of each row's source
+    assert fn("Answer: 7", "7", {"data_source": "math_dapo"})["score"] == 1.0
+    assert fn("Answer: 7", "7", {"data_source": "aime"}) == -1.0  # no \boxed{}: boxed_math says wrong
+    assert fn("\\boxed{7}", "7", {"data_source": "aime"}) == 1.0
+    assert fn("7", "7", {"data_source": "custom"}) == {"score": 0.5, "acc": True, "source": "custom"}
+
+
+def test_a_row_whose_source_has_no_reward_names_it_and_the_fix():
+    fn = get_reward_fn({"math_dapo": "dapo_math", "aime": "boxed_math"})
+    with pytest.raises(ValueError, match=r"data.reward has no reward for data_source 'math_dap' \(did you mean "
+                                         r"\"math_dapo\"\?\) \(it has rewards for 'math_dapo', 'aime'\): add "
+                                         r"`math_dap: <reward name>` to the data.reward mapping"):
+        fn("Answer: 1", "1", {"data_source": "math_dap"})
+    with pytest.raises(ValueError, match=r"the row has no 'data_source' field.*add a data_source to the rows, or "
+                                         r"set data.reward to one reward name"):
+        fn("Answer: 1", "1", {"prompt": "p"})
+    where = rewards.missing_source_error({"a": "dapo_math"}, "b", "val.parquet row 3")
+    assert str(where).startswith("val.parquet row 3: data.reward has no reward for data_source 'b'")
+
+
+def test_a_mapping_resolves_every_name_when_built():
+    with pytest.raises(ValueError, match=r"reward\['aime'\]: unknown reward 'boxd_math' \(did you mean \"boxed_math\""):
+        get_reward_fn({"math_dapo": "dapo_math", "aime": "boxd_math"})
+    with pytest.raises(ValueError, match=r"reward\['x'\]: reward 'no_such_reward_module:f': cannot import module"):
+        get_reward_fn({"x": "no_such_reward_module:f"})
+    assert rewards.reward_sources({"a": "dapo_math", "b": "boxed_math"}) == ("a", "b")
+    assert rewards.reward_sources("dapo_math") is None
+
+
+def test_data_reward_is_checked_when_the_recipe_loads():
+    """data.reward's shape and built-in spelling fail at load (no import: a user module is
+    imported by get_reward_fn, in the launch checks)."""
+    from megatron_rlcorr.data.tasks import DataSettings
+    from megatron_rlcorr.settings import from_mapping
+
+    mapping = {"math_dapo": "dapo_math", "aime": "my_pkg.not_imported_yet:score"}
+    assert from_mapping(DataSettings, {"reward": mapping}, "data").reward == mapping
+    assert from_mapping(DataSettings, {"reward": "boxed_math"}, "data").reward == "boxed_math"
+    for reward, message in [
+        ("dapo_maths", r"data: reward: unknown reward 'dapo_maths' \(did you mean \"dapo_math\""),
+        ({"aime": "boxd_math"}, r"data: reward\['aime'\]: unknown reward 'boxd_math'"),
+        ({}, r"data: reward must be a reward name or a mapping \{data_source: reward name\} with at least one"),
+        ({2024: "dapo_math"}, r"the entry 2024: 'dapo_math' must map a data source \(a string; quote a number"),
+        ({"aime": 3}, r"the entry 'aime': 3 must map"),
+        (["dapo_math"], r"data.reward: \['dapo_math'\] matches none of"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            from_mapping(DataSettings, {"reward": reward}, "data")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron_rlcorr.model.architecture import DecoderShape
 from megatron_rlcorr.model.config import ModelConfig
 from megatron_rlcorr.rollout.base import engine_max_model_len
+from megatron_rlcorr.rollout.embedded import _sample
 from megatron_rlcorr.rollout import EmbeddedEngine, RolloutBatch, RolloutConfig, RolloutEngine, make_engine, random_weights
 from megatron_rlcorr.rollout.precision import E4M3_MAX, fp8_e4m3_qdq, round_to_e4m3
 
@@ -214,6 +215,98 @@ def test_top_p_samples_only_from_the_nucleus(weights):
     assert max(outside_tempered_mass) > 0.05  # the truncation did remove real mass in this test
 
 
+# ---- top-k (rollout.top_k): the k most likely tokens, before top-p, as vLLM ----------------------
+
+
+def _draws(logits_V: torch.Tensor, rows: int = 4000, seed: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` independent draws of one distribution through the engine's sampler: (tokens, log-probs)."""
+    kwargs = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "mode": "tempered"} | kwargs
+    return _sample(logits_V.expand(rows, -1).clone(), kwargs["temperature"], kwargs["top_p"], kwargs["top_k"],
+                   torch.Generator().manual_seed(seed), kwargs["mode"])
+
+
+def test_top_k_keeps_the_k_most_likely_and_processed_log_probs_renormalise_over_them():
+    logits_V = torch.tensor([0.3, 2.0, -1.0, 1.5, 0.9, 1.2, -0.4, 0.0])
+    temperature, k = 0.8, 4
+    kept = set(logits_V.topk(k).indices.tolist())  # no ties here: {1, 3, 5, 4}
+    tokens, processed = _draws(logits_V, temperature=temperature, top_k=k, mode="processed")
+    same_tokens, tempered = _draws(logits_V, temperature=temperature, top_k=k, mode="tempered")
+    assert torch.equal(tokens, same_tokens)  # the log-prob convention does not change sampling
+    assert set(tokens.tolist()) == kept  # never outside the k most likely; all of them drawn in 4000
+    untruncated = torch.log_softmax(logits_V / temperature, -1)
+    torch.testing.assert_close(tempered, untruncated[tokens], rtol=0, atol=1e-6)
+    by_token = {t: lp for t, lp in zip(tokens.tolist(), processed.tolist())}
+    assert math.fsum(math.exp(lp) for lp in by_token.values()) == pytest.approx(1.0, abs=1e-6)
+    for t, lp in by_token.items():  # p(t) / p(kept)
+        assert lp == pytest.approx(float(untruncated[t] - untruncated[sorted(kept)].logsumexp(0)), abs=1e-6)
+    # every kept token drawn about as often as its renormalised probability says (4000 draws: sd <= 0.008)
+    for t, lp in by_token.items():
+        assert (tokens == t).float().mean().item() == pytest.approx(math.exp(lp), abs=0.04)
+
+
+def test_top_k_ties_go_to_the_lower_token_ids_and_top_k_1_is_argmax():
+    logits_V = torch.tensor([0.0, 3.0, 2.0, 2.0, 2.0, -1.0])
+    tokens, processed = _draws(logits_V, top_k=2, mode="processed")
+    assert set(tokens.tolist()) == {1, 2}  # exactly 2 kept: the tie at the 2nd value goes to token 2
+    tied_max = torch.tensor([0.0, 5.0, 1.0, 5.0])
+    tokens, processed = _draws(tied_max, top_k=1, mode="processed")
+    assert set(tokens.tolist()) == {int(tied_max.argmax())} == {1}
+    assert torch.equal(processed, torch.zeros_like(processed))  # the one kept token has all the mass
+    everything, _ = _draws(logits_V, rows=200, top_k=len(logits_V))  # k >= vocabulary: no truncation
+    off, _ = _draws(logits_V, rows=200, top_k=-1)
+    untouched, _ = _draws(logits_V, rows=200, top_k=0)
+    assert torch.equal(everything, untouched) and torch.equal(off, untouched)
+
+
+def test_top_k_comes_before_top_p_and_top_p_measures_the_top_k_distribution():
+    probs_V = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    # top_k=3 renormalises to (0.444, 0.333, 0.222): the mass before token 2 (0.778) reaches
+    # top_p=0.75, so it goes; top-p on the untruncated distribution (0.7 before it) would keep it.
+    tokens, processed = _draws(probs_V.log(), top_k=3, top_p=0.75, mode="processed")
+    assert set(tokens.tolist()) == {0, 1}
+    for t in (0, 1):
+        expected = math.log(probs_V[t].item() / 0.7)
+        assert processed[tokens == t].unique().tolist() == [pytest.approx(expected, abs=1e-6)]
+    top_p_only, _ = _draws(probs_V.log(), top_p=0.75)
+    assert set(top_p_only.tolist()) == {0, 1, 2}
+    _, tempered = _draws(probs_V.log(), top_k=3, top_p=0.75, mode="tempered")
+    torch.testing.assert_close(tempered, probs_V.log()[tokens], rtol=0, atol=1e-6)
+
+
+def test_top_k_1_sampling_equals_greedy_generation(weights):
+    eng, processed_eng = engine(weights), engine(weights, logprobs="processed")
+    ps = prompts(6, seed=3)
+    greedy = eng.generate(ps, max_new_tokens=6, temperature=0.0)
+    top1 = eng.generate(ps, max_new_tokens=6, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(4))
+    processed = processed_eng.generate(ps, max_new_tokens=6, temperature=0.7, top_k=1,
+                                       generator=torch.Generator().manual_seed(4))
+    assert top1.response_ids == greedy.response_ids == processed.response_ids
+    for p, r, lp, lp_proc in zip(ps, top1.response_ids, top1.logprobs, processed.logprobs):
+        # tempered: the untruncated log_softmax(logits / T); processed: the only kept token, log 1
+        torch.testing.assert_close(lp.double(), reference_logprobs(weights, p, r, 0.7), rtol=0, atol=2e-5)
+        assert torch.equal(lp_proc, torch.zeros_like(lp_proc))
+
+
+def test_top_k_sample_groups_stay_within_the_k_most_likely_and_repeat_with_the_seed(weights):
+    peaked = {k: (v * 2.0 if k == "lm_head.weight" else v) for k, v in weights.items()}
+    eng, top_k, temperature = engine(peaked, logprobs="processed"), 3, 0.9
+    ps = prompts(4, seed=5, min_len=2)
+    out = eng.sample_groups(ps, n=6, seeds=[1, 2, 3, 4], max_new_tokens=6, temperature=temperature, top_k=top_k)
+    again = eng.sample_groups(ps, n=6, seeds=[1, 2, 3, 4], max_new_tokens=6, temperature=temperature, top_k=top_k)
+    other = eng.sample_groups(ps, n=6, seeds=[5, 6, 7, 8], max_new_tokens=6, temperature=temperature, top_k=top_k)
+    assert out.response_ids == again.response_ids and out.response_ids != other.response_ids
+    assert all(torch.equal(a, b) for a, b in zip(out.logprobs, again.logprobs))
+    removed = []
+    for p, r, lp in zip(out.prompt_ids, out.response_ids, out.logprobs):
+        logp = torch.log_softmax(reference_logits(peaked, p + r)[len(p) - 1: -1] / temperature, -1)
+        for t, token in enumerate(r):
+            assert (logp[t] > logp[t, token] + 1e-6).sum() < top_k  # among the k most likely
+            kept = logp[t].topk(top_k).indices
+            assert lp[t].item() == pytest.approx((logp[t, token] - logp[t, kept].logsumexp(0)).item(), abs=2e-5)
+            removed.append(1 - logp[t, kept].exp().sum().item())
+    assert max(removed) > 0.05  # the truncation removed real mass in this test
+
+
 def test_eos_stops_each_sequence_and_padding_does_not_leak(weights):
     ps = prompts(10, seed=5)
     free = engine(weights).generate(ps, max_new_tokens=8, temperature=0.0)
@@ -349,7 +442,8 @@ def test_decoder_shape_validation():
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"engine": "vlm"}, "engine"), ({"precision": "fp16"}, "precision"), ({"temperature": -1.0}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"n": 0}, "n "), ({"logprobs": "raw"}, "logprobs"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"tensor_parallel_size": 2}, "embedded engine runs the whole model"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"), ({"sleep_level": 3}, "sleep_level"),

@@ -98,9 +98,11 @@ class _FixedEngine:
 
     def __init__(self, lengths):
         self.lengths = lengths
+        self.sampling = []
 
-    def sample_groups(self, prompts, *, n, seeds, max_new_tokens, temperature, top_p):
+    def sample_groups(self, prompts, *, n, seeds, max_new_tokens, temperature, top_p, top_k):
         assert len(seeds) == len(prompts)
+        self.sampling.append(dict(temperature=temperature, top_p=top_p, top_k=top_k))
         rows = [p for p in prompts for _ in range(n)]
         responses = [[3] * (self.lengths[i % len(self.lengths)] - 1) + [EOS_ID] for i in range(len(rows))]
         return RolloutBatch(prompt_ids=rows, response_ids=responses,
@@ -122,6 +124,15 @@ def test_overlong_penalty_enters_rewards_but_not_scores():
                           seeds=[0, 1])
     assert torch.equal(off.rewards_GN, off.scores_GN)
     assert off.prompts == groups.prompts == prompts
+
+
+def test_generate_groups_samples_with_the_rollout_settings_top_k_included():
+    task = get_task("digit_sum", digits=1)
+    engine = _FixedEngine([2])
+    prompts = task.sample_prompts(2, torch.Generator().manual_seed(0))
+    for rollout in (RolloutConfig(n=2, temperature=0.7, top_p=0.9, top_k=5), RolloutConfig(n=2, top_k=-1)):
+        generate_groups(engine, task, prompts, rollout=rollout, overlong=OverlongPenalty(enabled=False), seeds=[0, 1])
+        assert engine.sampling[-1] == dict(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
 
 
 def test_step_batch_layout_and_invalid_rollout_tokens():

@@ -117,6 +117,32 @@ def test_sampling_params_logprob_readout_eos_and_padded_rows(vllm, tiny_hf):
     assert again.response_ids == out.response_ids[4:]  # a prompt's samples: its seed's, whatever else ran
 
 
+def test_top_k_reaches_sampling_params_and_processed_log_probs_renormalise_over_the_kept_tokens(vllm, tiny_hf):
+    engine, tok = _engine(tiny_hf, temperature=0.8, top_k=4, top_p=0.9, logprobs="processed")
+    weights = _checkpoint(tiny_hf)
+    engine.load_weights({k: v.to(torch.bfloat16) for k, v in weights.items()})
+    prompts = [[1, 5, 9], [1, 7]]
+    out = engine.sample_groups(prompts, n=4, seeds=[11, 12], max_new_tokens=5, temperature=0.8, top_p=0.9, top_k=4)
+    again = engine.sample_groups(prompts, n=4, seeds=[11, 12], max_new_tokens=5, temperature=0.8, top_p=0.9, top_k=4)
+    assert out.response_ids == again.response_ids  # the same seeds, the same samples
+    engine.sample_groups(prompts[:1], n=1, seeds=[0], max_new_tokens=1, top_k=-1)  # -1: off, as vLLM's 0
+    requests = [r for name, reqs in vllm.CALLS if name == "generate" for r in reqs]
+    assert [(sp.top_k, sp.top_p) for _, sp in requests] == [(4, 0.9)] * 4 + [(0, 1.0)]
+    # Independent recomputation: top-k of the tempered logits over the real vocabulary, then top-p of
+    # the renormalised top-k distribution; the processed log-prob is over what is left.
+    embed = weights["model.embed_tokens.weight"].to(torch.bfloat16).float()
+    real_head = weights["lm_head.weight"].to(torch.bfloat16).float()[:TOKENS]
+    for prompt, ids, logprobs in zip(out.prompt_ids, out.response_ids, out.logprobs):
+        for previous, token, logprob in zip([prompt[-1], *ids[:-1]], ids, logprobs.tolist()):
+            logp = torch.log_softmax(embed[previous] @ real_head.T / 0.8, dim=-1)
+            top = logp.topk(4).indices
+            top_logp = torch.log_softmax(logp[top], dim=-1)  # sorted, most likely first
+            nucleus = (top_logp.exp().cumsum(0) - top_logp.exp()) < 0.9
+            assert token in top[nucleus].tolist()
+            expected = torch.log_softmax(top_logp[nucleus], dim=-1)[top.tolist().index(token)]
+            assert logprob == pytest.approx(float(expected), abs=1e-5)
+
+
 def test_a_response_capped_on_an_eos_token_ended_by_eos(vllm, tiny_hf):
     """vLLM checks the stop tokens before the length cap ("stop"); the embedded engine and we say "eos"."""
     engine, tok = _engine(tiny_hf, temperature=0.0, n=1)  # greedy: vLLM allows n = 1 only
@@ -161,7 +187,8 @@ def _recipe_overrides(tiny_hf, tmp_path):
     return ["rollout.engine=vllm", f"model.hf_checkpoint={tiny_hf / 'model'}",
             f"data.train_files=[{tiny_hf / 'data' / 'train.parquet'}]", "data.prompts_per_step=2", "rollout.n=2",
             "trainer.micro_batch_size=4", "trainer.steps=2", "trainer.save_hf=false", "trainer.save_every=0",
-            "trainer.logger=[console]", f"trainer.output_dir={tmp_path}", "algorithm.dynamic_sampling.enabled=false"]
+            "trainer.logger=[console]", f"trainer.output_dir={tmp_path}", "algorithm.dynamic_sampling.enabled=false",
+            "data.val_files=[]", "trainer.test_freq=0"]
 
 
 def _train_with_standin(rank, world_size, overrides):
@@ -195,6 +222,10 @@ def test_settings_the_engine_cannot_run_are_refused_with_the_fix(vllm, tiny_hf, 
     with pytest.raises(ValueError, match="rollout.top_p=0.9 .* rollout.logprobs: processed"):
         check_vllm_settings(RolloutConfig(engine="vllm", top_p=0.9), model)
     check_vllm_settings(RolloutConfig(engine="vllm", top_p=0.9, logprobs="processed"), model)
+    with pytest.raises(ValueError, match="rollout.top_k=20 .* rollout.logprobs: processed .* top_k: 0"):
+        check_vllm_settings(RolloutConfig(engine="vllm", top_k=20), model)
+    check_vllm_settings(RolloutConfig(engine="vllm", top_k=20, logprobs="processed"), model)
+    check_vllm_settings(RolloutConfig(engine="vllm", top_k=-1), model)  # off: the tempered log-probs hold
     with pytest.raises(ValueError, match="vLLM refuses n > 1 for greedy"):
         check_vllm_settings(RolloutConfig(engine="vllm", temperature=0.0, n=4), model)
     with pytest.raises(ValueError, match=r"temperatures in \[0, 2\]"):

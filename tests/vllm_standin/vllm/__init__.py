@@ -337,7 +337,8 @@ class LLM:
     def _sample(self, prompt: list[int], sp: SamplingParams, index: int) -> CompletionOutput:
         """One sample, a token at a time: the default (V2) runner's sampler (v1/worker/gpu/sample/
         sampler.py: temperature, then top-k and top-p on the tempered logits; processed log-probs are
-        those of the result), the child seed of parallel sampling (v1/engine/parallel_sampling.py),
+        those of the result; a tie at the k-th logit keeps every tied token, as apply_top_k_top_p's
+        sort-based PyTorch path does, where the Triton kernel of batches >= 8 keeps the lowest ids), the child seed of parallel sampling (v1/engine/parallel_sampling.py),
         and the scheduler's stop rule (v1/core/sched/utils.py check_stop: a stop token first, then
         the length cap, so a response capped on an end token has finish_reason "stop")."""
         model = self.worker.model_runner.get_model()
