@@ -87,8 +87,10 @@ ensure_env() {
     else
       "${pip[@]}" -e ".[dev]"
     fi
-    "$py" -c "import megatron.core" || {
-      echo "[env] import megatron.core fails in $RLCORR_VENV (above)" >&2; return 1; }
+    # Its import prints notices (no Transformer Engine / Apex on a CPU machine): shown only on failure.
+    local check
+    check=$("$py" -c "import megatron.core" 2>&1) || {
+      echo "$check" >&2; echo "[env] import megatron.core fails in $RLCORR_VENV (above)" >&2; return 1; }
     echo "$want" > "$stamp"
   fi
   export PATH="$(cd "$RLCORR_VENV" && pwd)/bin:$PATH"

@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
+from collections import Counter
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,30 @@ def check_data_file(path: str | Path) -> None:
     if suffix not in PARQUET_SUFFIXES + JSONL_SUFFIXES:
         raise ValueError(f"data file {path}: unsupported extension {suffix or '(none)'!r}; use parquet (.parquet) "
                          "or JSON lines (.jsonl / .json, one JSON object per line)")
+
+
+def data_source_counts(path: str | Path) -> Counter:
+    """How many rows of a prompt file hold each `data_source` value (None: rows without one).
+    Reads only that column of a parquet file; a JSONL file line by line (lines that are not JSON
+    objects are the dataset's bad rows, reported where it reads them, and are not counted here)."""
+    path = Path(path)
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        import pyarrow.parquet as pq
+
+        file = pq.ParquetFile(path)
+        if "data_source" not in file.schema_arrow.names:
+            return Counter({None: file.metadata.num_rows})
+        return Counter(file.read(columns=["data_source"]).column("data_source").to_pylist())
+    counts: Counter = Counter()
+    with path.open() as lines:
+        for line in lines:
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                counts[row.get("data_source")] += 1
+    return counts
 
 
 # ---- files ---------------------------------------------------------------------------------------

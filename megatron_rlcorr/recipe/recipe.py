@@ -207,7 +207,25 @@ class Recipe:
             raise ValueError(f"model.token_vocab_size={rows} is smaller than the vocabulary of the task's tokenizer "
                              f"({task.tokenizer.vocab_size} tokens): its ids from {rows} on could never be sampled; "
                              "leave model.token_vocab_size unset (the recipe takes it from the tokenizer)")
+        self._check_reward_sources()
         self._check_validation()
+
+    def _check_reward_sources(self) -> None:
+        """A data.reward mapping must have a reward for every data_source of the train and val files:
+        checked before the launch rather than at the first such row, mid-run."""
+        spec = self.data.reward
+        if isinstance(spec, str):
+            return
+        from ..data.datasets import data_source_counts
+        from ..data.rewards import missing_source_error
+
+        for key in ("train_files", "val_files"):
+            for i, path in enumerate(getattr(self.data, key)):
+                counts = data_source_counts(path)
+                for source, count in counts.items():
+                    if source not in spec:
+                        where = f"data.{key}[{i}] {path} ({count} of its {sum(counts.values())} rows)"
+                        raise missing_source_error(spec, source, where)
 
     def _check_validation(self) -> None:
         """Validation keys only with data.val_files, and those files readable (each file's first row)."""

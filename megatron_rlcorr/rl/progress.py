@@ -26,6 +26,9 @@ CONSOLE_KEYS = (
 )
 
 
+VAL_CORE = "val-core/"
+
+
 class MetricsLogger:
     """Writes on one rank only (the caller passes enabled=False elsewhere)."""
 
@@ -63,8 +66,11 @@ class MetricsLogger:
         width = 20
         done = int(width * step / max(self.total_steps, 1))
         bar = "#" * done + "." * (width - done)
-        fields = " ".join(f"{label}={values[key]:.4g}" for label, key in CONSOLE_KEYS if key in values)
-        return f"[{bar}] step {step}/{self.total_steps} {fields}"
+        fields = [f"{label}={values[key]:.4g}" for label, key in CONSOLE_KEYS if key in values]
+        # A validation's headline: per data source, the mean and pass@n of its core variable.
+        fields += [f"{key[len(VAL_CORE):]}={value:.4g}" for key, value in values.items()
+                   if key.startswith(VAL_CORE) and ("/mean@" in key or "/pass@" in key)]
+        return f"[{bar}] step {step}/{self.total_steps} {' '.join(fields)}"
 
     def close(self) -> None:
         """Close the trackers; called from the loop's `finally`, so an exception in flight marks them failed."""

@@ -153,3 +153,11 @@ def test_a_resume_whose_mlflow_run_is_gone_logs_to_a_new_run_and_says_so(tmp_pat
     logger.close()
     assert "cannot reopen run 0123abcd" in capsys.readouterr().out
     assert json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"] != "0123abcd"
+
+
+def test_the_console_line_shows_a_validations_headline(tmp_path):
+    logger = MetricsLogger(tmp_path, 150, False, trackers=["console"])
+    line = logger.console_line(0, {"val-core/math_dapo/acc/mean@8": 0.2625, "val-core/math_dapo/acc/pass@8": 0.85,
+                                   "val-core/math_dapo/acc/best@8/mean": 0.74, "val-aux/math_dapo/reward/mean@8": -0.4,
+                                   "timing/val_s": 1.5})
+    assert line.endswith("step 0/150 math_dapo/acc/mean@8=0.2625 math_dapo/acc/pass@8=0.85")

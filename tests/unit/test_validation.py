@@ -90,3 +90,29 @@ def test_an_unreadable_val_file_is_refused_at_load(tiny_hf, tmp_path):
     _jsonl(tmp_path / "val.jsonl", [{"question": "1+1?", "reward_model": {"ground_truth": "2"}}])
     with pytest.raises(ValueError, match=r"data.val_files: .*val.jsonl line 1 has no prompt at 'prompt'"):
         load_recipe(ROOT / "recipes" / "tiny_hf_cpu.yaml", overrides).check_layout(2)
+
+
+def test_a_reward_mapping_without_a_files_data_source_is_refused_before_the_launch(tiny_hf, tmp_path):
+    """Training checks every data source of the train and val files against a data.reward mapping
+    up front (eval does the same for its files), instead of failing at the first such row."""
+    from megatron_rlcorr.data.datasets import data_source_counts
+
+    val = _jsonl(tmp_path / "val.jsonl", [{"data_source": "aime", "prompt": "1+1?",
+                                           "reward_model": {"ground_truth": "2"}}, {"prompt": "2+2?"}])
+    assert data_source_counts(val) == {"aime": 1, None: 1}
+    assert data_source_counts(tiny_hf / "data" / "train.parquet") == {"math_dapo": 80}
+    files = [f"model.hf_checkpoint={tiny_hf / 'model'}", f"data.train_files=[{tiny_hf / 'data' / 'train.parquet'}]",
+             "data.prompts_per_step=4", "trainer.micro_batch_size=4", "rollout.n=4"]
+    recipe = load_recipe(ROOT / "recipes" / "tiny_hf_cpu.yaml", [*files, "data.val_files=[]", "trainer.test_freq=0",
+                                                                   "data.reward={math_dapo: dapo_math}"])
+    assert recipe.check_layout(2) == 2
+    recipe = load_recipe(ROOT / "recipes" / "tiny_hf_cpu.yaml", [*files, "data.val_files=[]", "trainer.test_freq=0",
+                                                                   "data.reward={aime: dapo_math}"])
+    with pytest.raises(ValueError, match=r"data.train_files\[0\] .*train.parquet \(80 of its 80 rows\): data.reward "
+                                         r"has no reward for data_source 'math_dapo'"):
+        recipe.check_layout(2)
+    recipe = load_recipe(ROOT / "recipes" / "tiny_hf_cpu.yaml", [*files, f"data.val_files=[{val}]",
+                                                                   "data.reward={math_dapo: dapo_math, aime: dapo_math}"])
+    with pytest.raises(ValueError, match=r"data.val_files\[0\] .*val.jsonl \(1 of its 2 rows\): the row has no "
+                                         r"'data_source' field"):
+        recipe.check_layout(2)
