@@ -66,11 +66,13 @@ def test_the_hugging_face_recipe_example_loads(tiny_hf, tmp_path):
     example = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
     example = (example.replace("recipes/tiny_hf_cpu.yaml", str(ROOT / "recipes" / "tiny_hf_cpu.yaml"))
                .replace("/models/Qwen2.5-7B-Instruct", str(tiny_hf / "model"))
-               .replace("/data/dapo-math-17k.parquet", str(tiny_hf / "data" / "train.parquet")))
+               .replace("/data/dapo-math-17k.parquet", str(tiny_hf / "data" / "train.parquet"))
+               .replace("/data/aime-2024.parquet", str(tiny_hf / "data" / "val.parquet")))
     (tmp_path / "my_run.yaml").write_text(example)
     recipe = load_recipe(tmp_path / "my_run.yaml", ["parallel.tp=4", "model.make_vocab_size_divisible_by=1"])
     assert recipe.name == "my_run" and recipe.model.bf16 and recipe.trainer.save_hf
     assert recipe.model.hidden_size == 64 and recipe.data.reward == "dapo_math"
+    assert recipe.data.val_files == [str(tiny_hf / "data" / "val.parquet")] and recipe.trainer.test_freq == 5
     with pytest.raises(ValueError, match="heads .* must be divisible by parallel.tp=4"):
         recipe.check_layout(8)  # the tiny model has 4 heads but 2 query groups: the layout check says so
     with pytest.raises(ValueError, match="max_position_embeddings=128"):  # 7B lengths on the 128-token tiny model
