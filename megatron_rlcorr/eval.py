@@ -185,9 +185,8 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate(source: ModelSource, recipe: Recipe, task: Task, prompts: list[Prompt], groups) -> ValidationResult:
     """Validation of `source`'s model on `prompts` (collective over the world)."""
     from .model.build import build_model_chunks
-    from .model.weight_stream import MiB, flatten, weight_buckets
     from .rl.validation import validate
-    from .rollout import make_engine
+    from .rollout import load_model_weights, make_engine
     from .rollout.base import engine_max_model_len
 
     rollout = recipe.rollout
@@ -199,12 +198,8 @@ def evaluate(source: ModelSource, recipe: Recipe, task: Task, prompts: list[Prom
     max_model_len = engine_max_model_len(rollout, recipe.data.max_prompt_length, recipe.model.max_position_embeddings)
     engine = make_engine(rollout, recipe.model, eos_token_id=tok.eos_ids, pad_token_id=tok.pad_id, device=device,
                          max_model_len=max_model_len, seed=recipe.trainer.seed)
-    # The trainer's weight stream (rl/trainer.py: _push_weights), collective over TP and PP.
-    buckets = weight_buckets(chunks, groups, dtype=rollout.weight_dtype,
-                             bucket_bytes=rollout.weight_sync_bucket_mb * MiB, hf_names=rollout.engine == "vllm")
-    engine.wake_up(["weights"])
-    engine.load_weights(flatten(buckets))
-    del chunks, buckets  # generation needs the engine only
+    load_model_weights(engine, rollout, chunks, groups)  # the trainer's weight sync, collective over TP and PP
+    del chunks  # generation needs the engine only
     if cuda:
         torch.cuda.empty_cache()
     engine.wake_up(["kv_cache"])

@@ -40,10 +40,9 @@ import yaml
 from ..data.datasets import PromptDataset
 from ..data.tasks import DataSettings, Prompt, build_task
 from ..model.config import ModelConfig
-from ..model.weight_stream import MiB, flatten, weight_buckets
 from ..parallel.groups import ParallelGroups
 from ..parallel.layout import ParallelSettings
-from ..rollout import RolloutConfig, make_engine
+from ..rollout import RolloutConfig, load_model_weights, make_engine
 from ..rollout.base import engine_max_model_len
 from ..training import checkpoint
 from ..training.offload import TrainerOffload
@@ -375,13 +374,7 @@ class Trainer:
         TP and PP), waking its memory first: the weights' before loading, the KV cache's after (with
         trainer offload: at the next generation, once the trainer's states have left)."""
         sync_params(self.model)
-        rollout = self.recipe.rollout
-        buckets = weight_buckets(self.model, self.groups, dtype=rollout.weight_dtype,
-                                 bucket_bytes=rollout.weight_sync_bucket_mb * MiB, hf_names=rollout.engine == "vllm")
-        if torch.cuda.is_available():  # return the trainer's cached blocks: a colocated engine allocates its own
-            torch.cuda.empty_cache()
-        self.engine.wake_up(["weights"])
-        self.engine.load_weights(flatten(buckets))
+        load_model_weights(self.engine, self.recipe.rollout, self.model, self.groups)
         if not self.offload.enabled:
             self.engine.wake_up(["kv_cache"])
 

@@ -12,8 +12,10 @@ from .embedded import EmbeddedEngine, random_weights
 
 if TYPE_CHECKING:
     from ..model.config import ModelConfig
+    from ..parallel.groups import ParallelGroups
 
-__all__ = ["EmbeddedEngine", "RolloutBatch", "RolloutConfig", "RolloutEngine", "make_engine", "random_weights"]
+__all__ = ["EmbeddedEngine", "RolloutBatch", "RolloutConfig", "RolloutEngine", "load_model_weights", "make_engine",
+           "random_weights"]
 
 
 def make_engine(cfg: RolloutConfig, model: ModelConfig, *, eos_token_id: int | Sequence[int] | None,
@@ -38,3 +40,18 @@ def make_engine(cfg: RolloutConfig, model: ModelConfig, *, eos_token_id: int | S
 
     return VLLMEngine(cfg, model, eos_token_id=eos_token_id, token_vocab_size=token_vocab_size,
                       max_model_len=max_model_len, seed=seed, device=device)
+
+
+def load_model_weights(engine: RolloutEngine, cfg: RolloutConfig, model_chunks: Sequence,
+                       groups: ParallelGroups) -> None:
+    """Stream the Megatron model's full weights into `engine` (model/weight_stream.py: collective
+    over TP and PP) in the dtype and buckets `cfg` sets, waking the engine's weight memory first.
+    The trainer's weight sync and `eval` both load an engine this way."""
+    from ..model.weight_stream import MiB, flatten, weight_buckets
+
+    buckets = weight_buckets(model_chunks, groups, dtype=cfg.weight_dtype, bucket_bytes=cfg.weight_sync_bucket_mb * MiB,
+                             hf_names=cfg.engine == "vllm")
+    if torch.cuda.is_available():  # return the trainer's cached blocks: a colocated engine allocates its own
+        torch.cuda.empty_cache()
+    engine.wake_up(["weights"])
+    engine.load_weights(flatten(buckets))
