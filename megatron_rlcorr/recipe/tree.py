@@ -62,5 +62,10 @@ def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ValueError(f"override {item!r}: {key} is not a section")
             node = child
-        node[keys[-1]] = yaml.safe_load(text)
+        try:
+            node[keys[-1]] = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"override {item!r}: its value is not valid YAML ({problem}); quote an override that "
+                             "holds spaces as one shell word, e.g. 'data.reward={aime: dapo_math}'") from None
     return tree

@@ -71,6 +71,8 @@ BAD = [
     (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel needs Transformer Engine"),
     (["trainer.timeout_minutes=0"], "trainer: timeout_minutes must be >= 1"),
     (["trainer.max_tokens_per_micro_batch=-1"], "max_tokens_per_micro_batch must be >= 0"),
+    # a mapping split by the shell at its space: a clear error, not a YAML traceback
+    (["data.reward={aime:", "dapo_math}"], "override 'data.reward={aime:': its value is not valid YAML"),
 ]
 
 
