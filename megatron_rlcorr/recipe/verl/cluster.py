@@ -43,7 +43,7 @@ def choose_layout(m: Mapper) -> None:
     except ValueError as err:
         _skip(m, keys, f"{launch}; the layout for them is not chosen here, as the recipe does not load ({err}): "
                        "with the checkpoint not on this machine, import again with model.architecture=<name> "
-                       f"(`megatron-rlcorr presets` lists them), or run `{search} model.architecture=<name>` and "
+                       f"(docs/scaling.md, Architectures, lists them), or run `{search} model.architecture=<name>` and "
                        "set the first layout it prints")
         return
     if not candidates:
