@@ -185,7 +185,8 @@ def process_groups(parallel: ParallelSettings, *, timeout_minutes: int, rollout_
             enable_cpu_megatron()
             groups = build_parallel_groups(parallel.tp, parallel.pp, parallel.cp, parallel.vpp,
                                            sequence_parallel=parallel.sequence_parallel,
-                                           timeout_minutes=timeout_minutes, rollout_tp=rollout_tp)
+                                           timeout_minutes=timeout_minutes, rollout_tp=rollout_tp,
+                                           ep=parallel.ep, etp=parallel.etp)
             try:
                 yield groups
             finally:

@@ -29,7 +29,8 @@ def train_runs(rank, world_size, runs):
     for path, overrides in runs:
         recipe = load_recipe(path, overrides)
         p = recipe.parallel
-        groups = build_parallel_groups(p.tp, p.pp, p.cp, p.vpp, rollout_tp=recipe.rollout.tensor_parallel_size)
+        groups = build_parallel_groups(p.tp, p.pp, p.cp, p.vpp, rollout_tp=recipe.rollout.tensor_parallel_size,
+                                       ep=p.ep, etp=p.etp)
         try:
             run_dir = train(recipe, groups)
         finally:

@@ -90,7 +90,47 @@ def transformer_config(cfg: ModelConfig, groups: ParallelGroups, *, main_grads: 
         sequence_parallel=groups.sequence_parallel,
         **recompute,
         **_fp8_settings(cfg.fp8),
+        **_moe_settings(cfg, groups, impl),
         **implementation.implementation_fields(impl, main_grads=main_grads),
+    )
+
+
+def _moe_settings(cfg: ModelConfig, groups: ParallelGroups, impl: str) -> dict[str, Any]:
+    """TransformerConfig's MoE fields for `cfg.moe` under the expert layout of `groups` (none for a
+    dense model). The router keeps Megatron-Core's RouterReplay (routing_replay.py drives it per
+    micro-batch); its logits are computed in the parameters' dtype, as Hugging Face and vLLM do."""
+    moe = cfg.moe
+    if moe is None:
+        if groups.ep_size > 1 or groups.etp_size > 1:
+            raise ValueError(f"parallel.ep={groups.ep_size} / parallel.etp={groups.etp_size} need a mixture-of-experts "
+                             "model (model.moe); this model is dense: set both to 1")
+        return {}
+    if moe.num_experts % groups.ep_size:
+        raise ValueError(f"model.moe.num_experts ({moe.num_experts}) must be divisible by parallel.ep={groups.ep_size}")
+    if moe.ffn_hidden_size % groups.etp_size:
+        raise ValueError(f"model.moe.ffn_hidden_size ({moe.ffn_hidden_size}) must be divisible by "
+                         f"parallel.etp={groups.etp_size}")
+    shared = moe.shared_expert_ffn_hidden_size
+    if shared is not None and shared % groups.tp_size:
+        raise ValueError(f"model.moe.shared_expert_ffn_hidden_size ({shared}) must be divisible by parallel.tp="
+                         f"{groups.tp_size}")
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.router_topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_layer_freq=[int(cfg.decoder_shape.is_moe_layer(i)) for i in range(cfg.num_layers)],
+        moe_router_pre_softmax=moe.pre_softmax,
+        moe_router_score_function="softmax",
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_token_dispatcher_type=moe.dispatcher(),
+        moe_grouped_gemm=impl == "transformer_engine",  # TEGroupedMLP on the GPU, SequentialMLP on the CPU
+        moe_permute_fusion=impl == "transformer_engine" and moe.dispatcher() == "alltoall",
+        moe_enable_routing_replay=True,
+        expert_model_parallel_size=groups.ep_size,
+        expert_tensor_parallel_size=groups.etp_size,
     )
 
 
@@ -119,6 +159,10 @@ def _layer_spec(cfg: ModelConfig, groups: ParallelGroups, config, vp_stage: int 
     from megatron.core.models.gpt import gpt_layer_specs
 
     if implementation.resolve_transformer_impl(cfg.transformer_impl) == "transformer_engine":  # checked by transformer_config
+        if cfg.moe is not None:  # dense and MoE layers as moe_layer_freq says, this stage's only
+            return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+                                                              normalization="RMSNorm", vp_stage=vp_stage,
+                                                              pp_rank=groups.pp_rank)
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     return _local_block_spec(cfg, groups, config, vp_stage)
 
@@ -133,16 +177,26 @@ def _local_block_spec(cfg: ModelConfig, groups: ParallelGroups, config, vp_stage
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from ..parallel.cp_attention import ContextParallelAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
-    # Megatron's DotProductAttention rejects context parallelism and packed (THD) sequences; ours
-    # attends over the all-gathered K/V with the causal mask on global zigzag positions, within
-    # each packed sequence.
-    spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    def local_spec(moe_layer: bool):
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=cfg.moe.num_experts if moe_layer else None, moe_grouped_gemm=False,
+            qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+        # Megatron's DotProductAttention rejects context parallelism and packed (THD) sequences; ours
+        # attends over the all-gathered K/V with the causal mask on global zigzag positions, within
+        # each packed sequence.
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+        return spec
+
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=WrappedTorchNorm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
+    shape = cfg.decoder_shape
+    specs = {moe_layer: local_spec(moe_layer) for moe_layer in {shape.is_moe_layer(offset + j) for j in range(num_layers)}}
+    return TransformerBlockSubmodules(layer_specs=[specs[shape.is_moe_layer(offset + j)] for j in range(num_layers)],
+                                      layer_norm=WrappedTorchNorm)
 
 
 def initial_weights(cfg: ModelConfig, seed: int) -> WeightSource:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from ..settings import check_choice, from_mapping
-from .architecture import DecoderShape, check_positive_ints
+from .architecture import DecoderShape, MoeShape, check_positive_ints
 
 Fp8Format = Literal["e4m3", "hybrid"]
 Fp8RecipeName = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
@@ -53,6 +53,43 @@ class Fp8Config:
     def __post_init__(self) -> None:
         check_choice("fp8.format", self.format, Fp8Format)
         check_choice("fp8.recipe", self.recipe, Fp8RecipeName)
+
+
+# How routed tokens reach the ranks holding their experts (Megatron-Core's moe_token_dispatcher_type).
+TokenDispatcher = Literal["allgather", "alltoall"]
+
+
+@dataclass(frozen=True)
+class MoeConfig(MoeShape):
+    """The recipe's `model.moe:` section: the experts (MoeShape, architecture.py) and how they train.
+
+    Expert parallelism is parallel.ep / parallel.etp; routing replay is rollout.routing_replay.
+    """
+
+    # Weight of Megatron-Core's load-balancing loss (aux_loss) in the policy loss. 0 (default, as verl and
+    # slime run RL): the router is trained by the policy gradient alone; > 0 adds coeff * aux_loss per MoE
+    # layer and logs moe/aux_loss.
+    aux_loss_coeff: float = 0.0
+    # allgather: every rank of the expert group sees every token and computes its experts' share (the CPU path);
+    # alltoall: tokens are sent to the ranks of their experts only (the GPU default). None: allgather without
+    # CUDA, alltoall with it.
+    token_dispatcher: TokenDispatcher | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.aux_loss_coeff >= 0:
+            raise ValueError(f"moe.aux_loss_coeff must be >= 0, got {self.aux_loss_coeff!r}")
+        if self.token_dispatcher is not None:
+            check_choice("moe.token_dispatcher", self.token_dispatcher, TokenDispatcher)
+
+    @property
+    def shape(self) -> MoeShape:
+        """The architecture alone (what the rollout engines and the Hugging Face mapping take)."""
+        return MoeShape(**{f.name: getattr(self, f.name) for f in dataclasses.fields(MoeShape)})
+
+    def dispatcher(self) -> TokenDispatcher:
+        """token_dispatcher, resolved for this process (allgather without CUDA, alltoall with it)."""
+        return self.token_dispatcher or ("alltoall" if torch.cuda.is_available() else "allgather")
 
 
 RecomputeGranularity = Literal["full", "selective"]
@@ -125,6 +162,10 @@ class ModelConfig:
     # their gradients). Without bf16 the output layer is float32 already.
     fp32_lm_head: bool = False
     fp8: Fp8Config | None = None
+    # Mixture of experts (MoeConfig: experts, top-k, expert width, dense layers, router softmax, shared
+    # expert, aux-loss coefficient, dispatcher); None: a dense model. From a checkpoint's config.json
+    # with hf_checkpoint (Qwen3-MoE, Qwen2-MoE).
+    moe: MoeConfig | None = None
     # Which layers the model is built from: transformer_engine (Transformer Engine's fused layers; BF16,
     # FP8, sequence parallelism) or local (Megatron-Core's torch layers: the CPU path; no FP8, no sequence
     # parallelism, attention materialises an L x L score matrix per head). None: transformer_engine where
@@ -160,6 +201,8 @@ class ModelConfig:
             object.__setattr__(self, "params_dtype", "bfloat16" if self.bf16 else "float32")
         if isinstance(self.fp8, Mapping):
             object.__setattr__(self, "fp8", from_mapping(Fp8Config, self.fp8, "fp8"))
+        if isinstance(self.moe, Mapping):
+            object.__setattr__(self, "moe", from_mapping(MoeConfig, self.moe, "moe"))
         if isinstance(self.recompute, Mapping):
             object.__setattr__(self, "recompute", from_mapping(RecomputeSettings, self.recompute, "recompute"))
         self.decoder_shape  # noqa: B018 - validates the architecture fields
@@ -185,7 +228,8 @@ class ModelConfig:
     @property
     def decoder_shape(self) -> DecoderShape:
         """The architecture alone, as the reference forward and the rollout engines take it."""
-        return DecoderShape(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecoderShape)})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecoderShape)}
+        return DecoderShape(**{**fields, "moe": None if self.moe is None else self.moe.shape})
 
     @property
     def sampled_vocab_size(self) -> int:

@@ -17,12 +17,17 @@ from .config import ModelConfig
 
 
 def reference_forward(weights: Mapping[str, torch.Tensor], cfg: ModelConfig | DecoderShape,
-                      tokens_BT: torch.Tensor) -> torch.Tensor:
+                      tokens_BT: torch.Tensor, *, routing: list[torch.Tensor] | None = None,
+                      replay_BTLK: torch.Tensor | None = None) -> torch.Tensor:
     """float32 logits [B, T, vocab_size] of the architecture (architecture.py), in plain torch.
 
     Positions are 0..T-1 for every row (right padding). With tied embeddings the output layer
     is embed.weight (lm_head.weight is not read). Differentiable with respect to `weights`.
     The independent reference for the parallel model and for rollout engines.
+
+    MoE: `routing`, when given a list, receives each MoE layer's chosen experts (int64 [B, T, k],
+    in descending router-logit order); `replay_BTLK` ([B, T, MoE layers, k]) routes every token
+    to those experts instead, weighted by the live router (routing replay).
     """
     shape = cfg.decoder_shape if isinstance(cfg, ModelConfig) else cfg
     w = {name: t.float() for name, t in weights.items()}
@@ -50,10 +55,45 @@ def reference_forward(weights: Mapping[str, torch.Tensor], cfg: ModelConfig | De
         attn_BTH = (probs @ v_BNTD).transpose(1, 2).reshape(batch, seq, n_heads * hd)
         x_BTH = x_BTH + F.linear(attn_BTH, w[p + "o.weight"])
         h_BTH = _rms_norm(x_BTH, w[p + "mlp_norm.weight"], eps)
-        mlp = F.silu(F.linear(h_BTH, w[p + "gate.weight"])) * F.linear(h_BTH, w[p + "up.weight"])
-        x_BTH = x_BTH + F.linear(mlp, w[p + "down.weight"])
+        if shape.is_moe_layer(i):
+            replay = None if replay_BTLK is None else replay_BTLK[:, :, shape.moe_layers.index(i)]
+            chosen_BTK, mlp_BTH = _moe_block(w, p, h_BTH, shape, replay)
+            x_BTH = x_BTH + mlp_BTH
+            if routing is not None:
+                routing.append(chosen_BTK)
+        else:
+            x_BTH = x_BTH + _swiglu(w, p, h_BTH)
     x_BTH = _rms_norm(x_BTH, w["final_norm.weight"], eps)
     return F.linear(x_BTH, w["embed.weight" if shape.tie_embeddings else "lm_head.weight"])
+
+
+def _swiglu(w: Mapping[str, torch.Tensor], p: str, h: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate h) * up h) of the MLP whose weights are named `p` + gate/up/down.weight."""
+    return F.linear(F.silu(F.linear(h, w[p + "gate.weight"])) * F.linear(h, w[p + "up.weight"]), w[p + "down.weight"])
+
+
+def _moe_block(w: Mapping[str, torch.Tensor], p: str, h_BTH: torch.Tensor, shape: DecoderShape,
+               replay_BTK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen experts [B, T, k], output [B, T, H]) of a MoE block (architecture.py's rule). Every
+    expert runs on every token and is weighted by zero where not chosen: slow, and plainly right."""
+    moe = shape.moe
+    logits_BTE = F.linear(h_BTH, w[p + "router.weight"])
+    if replay_BTK is None:
+        chosen_BTK = logits_BTE.topk(moe.router_topk, dim=-1).indices
+    else:
+        chosen_BTK = replay_BTK.long()
+    if moe.pre_softmax:
+        weights_BTK = logits_BTE.softmax(dim=-1).gather(-1, chosen_BTK)
+    else:
+        weights_BTK = logits_BTE.gather(-1, chosen_BTK).softmax(dim=-1)
+    out_BTH = torch.zeros_like(h_BTH)
+    for e in range(moe.num_experts):
+        weight_BT1 = (weights_BTK * (chosen_BTK == e)).sum(dim=-1, keepdim=True)
+        out_BTH = out_BTH + weight_BT1 * _swiglu(w, f"{p}experts.{e}.", h_BTH)
+    if moe.shared_expert_ffn_hidden_size is not None:
+        gate_BT1 = torch.sigmoid(F.linear(h_BTH, w[p + "shared_gate.weight"]))
+        out_BTH = out_BTH + gate_BT1 * _swiglu(w, p + "shared.", h_BTH)
+    return chosen_BTK, out_BTH
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

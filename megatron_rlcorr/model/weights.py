@@ -21,6 +21,14 @@ layer along the (padded) vocabulary.
 
 With q/k norms (Qwen3) a layer also has `layers.{i}.q_norm.weight` and `k_norm.weight` [hd].
 
+A MoE layer (architecture.MoeShape; E experts of width Fe, shared expert of width Fs) has, instead
+of gate/up/down:
+
+    layers.{i}.router.weight [E, H]
+    layers.{i}.experts.{e}.gate.weight [Fe, H]   .up.weight [Fe, H]   .down.weight [H, Fe]
+    layers.{i}.shared.gate.weight [Fs, H]  .up.weight [Fs, H]  .down.weight [H, Fs]   (Qwen2-MoE)
+    layers.{i}.shared_gate.weight [1, H]                                              (Qwen2-MoE)
+
 Loading (`load_full_weights`) reads from a weight source: a mapping of full tensors, the seeded
 initialisation, or a Hugging Face checkpoint (hf.HFCheckpoint), each answering `read(name, dim,
 start, stop)` with a slice. Every rank reads only the tensors its pipeline chunks hold and only
@@ -37,6 +45,7 @@ unit norm weights.
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -139,26 +148,51 @@ def as_weight_source(weights: WeightSource | Mapping[str, torch.Tensor]) -> Weig
 
 
 # Canonical order of a layer's neutral weights (biases only with add_qkv_bias, q/k norms only
-# with qk_layernorm).
+# with qk_layernorm; a MoE layer has the names from "router.weight" on instead of gate/up/down,
+# `experts.{e}.` standing for each expert in turn).
 _LAYER_ORDER = ("attn_norm.weight", "q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias",
                 "q_norm.weight", "k_norm.weight", "o.weight", "mlp_norm.weight", "gate.weight", "up.weight",
-                "down.weight")
+                "down.weight", "router.weight", "experts.{e}.gate.weight", "experts.{e}.up.weight",
+                "experts.{e}.down.weight", "shared.gate.weight", "shared.up.weight", "shared.down.weight",
+                "shared_gate.weight")
+_DENSE_MLP = ("gate.weight", "up.weight", "down.weight")
 
 
 def neutral_weight_shapes(shape: DecoderShape | ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every neutral weight name of the model with its full shape, in canonical order."""
+    if isinstance(shape, ModelConfig):
+        shape = shape.decoder_shape
     h, f, v, hd = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size, shape.head_dim
     q_dim, kv_dim = shape.num_attention_heads * hd, shape.num_query_groups * hd
     per_layer = {"attn_norm.weight": (h,), "q.weight": (q_dim, h), "q.bias": (q_dim,), "k.weight": (kv_dim, h),
                  "k.bias": (kv_dim,), "v.weight": (kv_dim, h), "v.bias": (kv_dim,), "q_norm.weight": (hd,),
                  "k_norm.weight": (hd,), "o.weight": (h, q_dim), "mlp_norm.weight": (h,), "gate.weight": (f, h),
                  "up.weight": (f, h), "down.weight": (h, f)}
-    names = [n for n in _LAYER_ORDER if (shape.add_qkv_bias or not n.endswith(".bias"))
-             and (shape.qk_layernorm or n not in ("q_norm.weight", "k_norm.weight"))]
+    attention = [n for n in _LAYER_ORDER[:_LAYER_ORDER.index("gate.weight")]
+                 if (shape.add_qkv_bias or not n.endswith(".bias"))
+                 and (shape.qk_layernorm or n not in ("q_norm.weight", "k_norm.weight"))]
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h)}
     for i in range(shape.num_layers):
-        shapes.update({f"layers.{i}.{n}": per_layer[n] for n in names})
+        shapes.update({f"layers.{i}.{n}": per_layer[n] for n in attention})
+        if shape.is_moe_layer(i):
+            shapes.update({f"layers.{i}.{n}": dims for n, dims in _moe_shapes(shape).items()})
+        else:
+            shapes.update({f"layers.{i}.{n}": per_layer[n] for n in _DENSE_MLP})
     shapes.update({"final_norm.weight": (h,), "lm_head.weight": (v, h)})
+    return shapes
+
+
+def _moe_shapes(shape: DecoderShape) -> dict[str, tuple[int, ...]]:
+    """The MoE block's neutral names (within a layer) and full shapes, in canonical order."""
+    moe, h = shape.moe, shape.hidden_size
+    fe, fs = moe.ffn_hidden_size, moe.shared_expert_ffn_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"router.weight": (moe.num_experts, h)}
+    for e in range(moe.num_experts):
+        shapes.update({f"experts.{e}.gate.weight": (fe, h), f"experts.{e}.up.weight": (fe, h),
+                       f"experts.{e}.down.weight": (h, fe)})
+    if fs is not None:
+        shapes.update({"shared.gate.weight": (fs, h), "shared.up.weight": (fs, h), "shared.down.weight": (h, fs),
+                       "shared_gate.weight": (1, h)})
     return shapes
 
 
@@ -176,21 +210,39 @@ _LAYER_PARAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.linear_fc1.layer_norm_weight": ("replicated", ("mlp_norm.weight",)),
     "mlp.linear_fc1.weight": ("gate_up", ("gate.weight", "up.weight")),
     "mlp.linear_fc2.weight": ("split_input", ("down.weight",)),
+    # MoE blocks: the router (replicated everywhere), the shared expert (split over TP like a dense MLP)
+    "mlp.router.weight": ("replicated", ("router.weight",)),
+    "mlp.shared_experts.linear_fc1.weight": ("gate_up", ("shared.gate.weight", "shared.up.weight")),
+    "mlp.shared_experts.linear_fc2.weight": ("split_input", ("shared.down.weight",)),
+    "mlp.shared_experts.gate_weight": ("replicated", ("shared_gate.weight",)),
 }
+# The routed experts: this rank's local expert k (global index local_expert_indices[k], parallel.ep) is
+# split over the expert-tensor-parallel group (parallel.etp). SequentialMLP (local spec) and
+# TEGroupedMLP (Transformer Engine) name them differently.
+_EXPERT_PARAMS = (
+    (re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight"), "gate_up", ("gate.weight", "up.weight")),
+    (re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight"), "split_input", ("down.weight",)),
+    (re.compile(r"mlp\.experts\.linear_fc1\.weight(\d+)"), "gate_up", ("gate.weight", "up.weight")),
+    (re.compile(r"mlp\.experts\.linear_fc2\.weight(\d+)"), "split_input", ("down.weight",)),
+)
 
 
 @dataclass(frozen=True)
 class Slot:
-    """One Megatron parameter of this rank and the neutral weights its full tensor holds."""
+    """One Megatron parameter of this rank and the neutral weights its full tensor holds.
+
+    `expert`: a routed expert's weight, split over the expert-tensor-parallel group (and held by
+    one expert-parallel rank only) instead of the tensor-parallel group."""
 
     param: torch.nn.Parameter
     layout: str  # replicated | vocab | qkv | gate_up | split_input
     names: tuple[str, ...]
+    expert: bool = False
 
 
 def parameter_slots(model, tied: bool) -> list[Slot]:
     gpt = _unwrap(model)
-    layer_index = {f"decoder.layers.{j}.": layer.layer_number - 1 for j, layer in enumerate(gpt.decoder.layers)}
+    layers = {f"decoder.layers.{j}.": layer for j, layer in enumerate(gpt.decoder.layers)}
     slots = []
     for name, param in gpt.named_parameters():
         if name == "embedding.word_embeddings.weight":
@@ -201,13 +253,25 @@ def parameter_slots(model, tied: bool) -> list[Slot]:
         elif name == "decoder.final_layernorm.weight":
             slots.append(Slot(param, "replicated", ("final_norm.weight",)))
         else:
-            prefix = name[: name.index(".", len("decoder.layers.")) + 1] if name.startswith("decoder.layers.") else ""
-            if prefix not in layer_index or name[len(prefix):] not in _LAYER_PARAMS:
-                raise ValueError(f"no neutral name for Megatron parameter {name!r}")
-            layout, names = _LAYER_PARAMS[name[len(prefix):]]
-            i = layer_index[prefix]
-            slots.append(Slot(param, layout, tuple(f"layers.{i}.{n}" for n in names)))
+            slots.append(_layer_slot(name, param, layers))
     return slots
+
+
+def _layer_slot(name: str, param: torch.nn.Parameter, layers: dict[str, Any]) -> Slot:
+    prefix = name[: name.index(".", len("decoder.layers.")) + 1] if name.startswith("decoder.layers.") else ""
+    if prefix not in layers:
+        raise ValueError(f"no neutral name for Megatron parameter {name!r}")
+    layer, tail = layers[prefix], name[len(prefix):]
+    i = layer.layer_number - 1
+    if tail in _LAYER_PARAMS:
+        layout, names = _LAYER_PARAMS[tail]
+        return Slot(param, layout, tuple(f"layers.{i}.{n}" for n in names))
+    for pattern, layout, names in _EXPERT_PARAMS:
+        match = pattern.fullmatch(tail)
+        if match:
+            expert = layer.mlp.local_expert_indices[int(match.group(1))]
+            return Slot(param, layout, tuple(f"layers.{i}.experts.{expert}.{n}" for n in names), expert=True)
+    raise ValueError(f"no neutral name for Megatron parameter {name!r}")
 
 
 def _unwrap(model):
@@ -323,8 +387,12 @@ def _neutral_order(name: str) -> tuple:
     head, _, rest = name.partition(".")
     if head == "layers":
         index, _, tail = rest.partition(".")
-        return (1, int(index), _LAYER_ORDER.index(tail))
-    return ({"embed": 0, "final_norm": 2, "lm_head": 3}[head], 0, 0)
+        expert = 0
+        if tail.startswith("experts."):
+            number, _, sub = tail[len("experts."):].partition(".")
+            tail, expert = f"experts.{{e}}.{sub}", int(number)
+        return (1, int(index), _LAYER_ORDER.index(tail), expert)
+    return ({"embed": 0, "final_norm": 2, "lm_head": 3}[head], 0, 0, 0)
 
 
 # ---- load: weight source -> this rank's Megatron shards ------------------------------------------
@@ -346,7 +414,8 @@ def load_full_weights(model_chunks: Sequence[Any], weights: WeightSource | Mappi
                 if source.shape(name) != gpt.neutral_shapes[name]:
                     raise ValueError(f"{name} has shape {source.shape(name)}, the model needs "
                                      f"{gpt.neutral_shapes[name]}")
-            shard = _read_shard(source, slot, gpt, groups.tp_size, groups.tp_rank)
+            split = (groups.etp_size, groups.etp_rank) if slot.expert else (groups.tp_size, groups.tp_rank)
+            shard = _read_shard(source, slot, gpt, *split)
             if shard.shape != slot.param.shape:
                 raise ValueError(f"{'/'.join(slot.names)}: the slice read has shape {tuple(shard.shape)}, this "
                                  f"rank's parameter {tuple(slot.param.shape)}")

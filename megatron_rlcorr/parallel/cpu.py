@@ -47,6 +47,10 @@ distributed optimizer, every patch below is hit, and the run fails without it:
    same step tensor object, which torch's Adam then increments once per parameter per update
    (measured: 17 parameters, step 2 -> 19 after one update, and the resumed weights drifted
    2e-3 from the uninterrupted run): each parameter gets its own copy after the load.
+12. MoE routers: the router's gating GEMM (`RouterGatingLinearFunction`, moe/moe_utils.py) calls
+   Transformer Engine's `te_general_gemm` when it is not None, a CUDA kernel; without TE,
+   megatron-core 0.16.1 never defines the name (NameError). It is set to None, so the router
+   multiplies with torch's mm in the router dtype (what the function does without TE).
 
 Everything here is process-global and only ever installed when `torch.cuda.is_available()` is
 False, so GPU runs execute Megatron-Core unmodified. The torch function mode is thread-local:
@@ -80,8 +84,16 @@ def enable_cpu_megatron() -> bool:
         _install_cpu_rng_tracker()
         _use_torch_optimizer_kernels()
         _recompute_on_cpu()
+        _router_gemm_in_torch()
         _enabled = True
     return True
+
+
+def _router_gemm_in_torch() -> None:
+    """12. in the module docstring."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
 
 
 def _cpu_current_device() -> str:

@@ -7,7 +7,9 @@ function of this library takes that object (or one of its groups) as an argument
 here reads `parallel_state`.
 
 Rank layout is Megatron-Core's default order "tp-cp-ep-dp-pp": tensor-parallel ranks are
-neighbours, then context-parallel, then data-parallel, with pipeline stages outermost.
+neighbours, then context-parallel, then data-parallel, with pipeline stages outermost. The MoE
+layers regroup the tp * cp * dp ranks of a pipeline stage as expert-tensor-parallel (etp, the
+innermost), expert-parallel (ep) and expert-data-parallel (edp) ranks.
 """
 from __future__ import annotations
 
@@ -46,6 +48,12 @@ class ParallelGroups:
     rollout_group_size: int = 1
     rollout_peers: dist.ProcessGroup | None = None
     dp_ranks: tuple[int, ...] = ()
+    # Expert parallelism (parallel.ep / parallel.etp): the experts of a MoE layer are split over `ep`,
+    # each expert's weights over `etp`; `edp` holds the replicas of this rank's expert shards (their
+    # gradients are reduced over it). None: no expert groups (ep = etp = 1 on a dense model).
+    ep: dist.ProcessGroup | None = None
+    etp: dist.ProcessGroup | None = None
+    edp: dist.ProcessGroup | None = None
 
     @property
     def tp_size(self) -> int:
@@ -87,6 +95,22 @@ class ParallelGroups:
     def dp_cp_rank(self) -> int:
         return dist.get_rank(self.dp_cp)
 
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.ep is None else dist.get_world_size(self.ep)
+
+    @property
+    def ep_rank(self) -> int:
+        return 0 if self.ep is None else dist.get_rank(self.ep)
+
+    @property
+    def etp_size(self) -> int:
+        return 1 if self.etp is None else dist.get_world_size(self.etp)
+
+    @property
+    def etp_rank(self) -> int:
+        return 0 if self.etp is None else dist.get_rank(self.etp)
+
     def is_pipeline_first_stage(self, vp_stage: int | None = None) -> bool:
         """True on the stage holding the embedding (for virtual chunk `vp_stage` if given)."""
         if vp_stage not in (None, 0):
@@ -101,9 +125,10 @@ class ParallelGroups:
 
 
 def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, sequence_parallel: bool = False,
-                          timeout_minutes: int | None = None, rollout_tp: int = 1) -> ParallelGroups:
-    """Create Megatron-Core's model-parallel groups for this world, and the rollout groups of
-    `rollout_tp` ranks (rollout.tensor_parallel_size), and return them.
+                          timeout_minutes: int | None = None, rollout_tp: int = 1, ep: int = 1,
+                          etp: int = 1) -> ParallelGroups:
+    """Create Megatron-Core's model-parallel groups for this world (expert groups of `ep` x `etp`
+    too), and the rollout groups of `rollout_tp` ranks (rollout.tensor_parallel_size), and return them.
 
     Call once per process, after `torch.distributed.init_process_group`. The data-parallel size
     is world_size / (tp * pp * cp). `timeout_minutes`: the collective timeout of every group
@@ -111,7 +136,7 @@ def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, 
     """
     if not dist.is_initialized():
         raise RuntimeError("build_parallel_groups needs torch.distributed.init_process_group() first")
-    for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
+    for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("etp", etp)):
         if size < 1:
             raise ValueError(f"parallel.{name} must be >= 1, got {size}")
     if sequence_parallel and tp == 1:
@@ -127,6 +152,10 @@ def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, 
         raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = "
                          f"{model_parallel}; launch a multiple of {model_parallel} processes or change "
                          "parallel.tp/pp/cp")
+    stage_ranks = world_size // pp
+    if stage_ranks % (ep * etp):
+        raise ValueError(f"parallel.ep*etp = {ep}*{etp} must divide the {stage_ranks} ranks of a pipeline stage "
+                         "(tp*cp*dp); launch more processes or lower parallel.ep / parallel.etp")
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("model-parallel groups already exist; call destroy_parallel_groups() first")
     parallel_state.initialize_model_parallel(
@@ -134,6 +163,8 @@ def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, 
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         **({} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}),
     )
     dp = parallel_state.get_data_parallel_group()
@@ -151,6 +182,9 @@ def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, 
         rollout_group_size=rollout_tp,
         rollout_peers=_rollout_peers(rollout_tp, timeout_minutes),
         dp_ranks=tuple(dp_ranks),
+        ep=parallel_state.get_expert_model_parallel_group(),
+        etp=parallel_state.get_expert_tensor_parallel_group(),
+        edp=parallel_state.get_expert_data_parallel_group(),
     )
 
 

@@ -110,6 +110,11 @@ class RolloutConfig:
     sleep_level: int = 2              # vLLM during training: 0 stay resident, 1 weights to host, 2 drop them
     max_model_len: int | None = None  # vLLM: context length (null: the prompt limit + max_new_tokens)
     policy_lag: int = 0               # steps the embedded engine's weights lag the trainer's
+    # MoE models (model.moe): the trainer routes every token the engine generated from to the experts the
+    # engine routed it to (rollout routing replay, R3), in every forward of the step (pi_old, the update,
+    # recomputation); the router's weights still get gradients. The engine's routing is recorded either way
+    # (moe/routing_mismatch_fraction is measured with and without replay).
+    routing_replay: bool = False
     val_kwargs: ValSampling = field(default_factory=lambda: ValSampling())  # validation's sampling (verl's keys)
 
     def __post_init__(self) -> None:
@@ -200,9 +205,19 @@ class RolloutBatch:
     response_ids: list[list[int]]
     logprobs: list[torch.Tensor]
     finish_reasons: list[FinishReason]
+    # MoE models: the experts the engine routed to, per sample [len(response), MoE layers, top-k] (uint8 for
+    # <= 256 experts, else int16; experts in descending router order). Row j is the forward whose output gave
+    # response token j: input position len(prompt) - 1 + j (the last prompt token, then response tokens
+    # 0..len - 2), which is where the trainer's log-prob of token j comes from. None: a dense model, or an
+    # engine that does not record.
+    routed_experts: list[torch.Tensor] | None = None
+    # The same for the prompt's other positions 0..len(prompt) - 2 ([len(prompt) - 1, MoE layers, top-k]),
+    # where the engine recorded them (prefill); None: prompt tokens are routed freely by the trainer.
+    prompt_routed_experts: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         sizes = {len(self.prompt_ids), len(self.response_ids), len(self.logprobs), len(self.finish_reasons)}
+        sizes |= {len(x) for x in (self.routed_experts, self.prompt_routed_experts) if x is not None}
         assert len(sizes) == 1, f"RolloutBatch fields disagree on the number of samples: {sizes}"
 
     def __len__(self) -> int:
