@@ -21,6 +21,12 @@ these). Every run is validated before the first starts. Settings:
   --define NAME BASE FIELD=VALUE ...   your own: BASE's block with these fields changed, e.g.
              --define dapo_wide dapo rollout_rs_threshold_lower=0.31 rollout_rs_threshold=1.28
 
+MoE recipes: `--routing-replay both` runs every setting twice, as <setting> (rollout.routing_replay
+false: the trainer routes freely) and <setting>_r3 (true: rollout routing replay), `on` only the
+latter; the table then has the routing mismatch column (moe/routing_mismatch_fraction: the share
+of response tokens whose experts differ between the engine and the trainer's free routing, per
+MoE layer). Default `off` leaves rollout.routing_replay to the recipe.
+
 Outputs in OUT: ablation.md (the table; ablation_brief.md its main columns), ablation.json (the
 summaries and every run's curves), ablation_<setting>.png (reward and KL per step, each seed thin,
 the seeds' mean thick) and ablation.png (the settings' mean reward and KL curves side by side).
@@ -75,10 +81,12 @@ from megatron_rlcorr.config import (
 NAMED = {"none": "disabled", "token_is": "decoupled_token_is", "seq_is_rs": "decoupled_seq_is_rs"}
 SETTINGS = (*NAMED, "dapo", *PRESETS)
 CONTROLLED = ("algorithm.rollout_correction", "rollout.policy_lag", "trainer.seed", "trainer.steps",
-              "trainer.output_dir", "trainer.save_hf", "trainer.save_every", "trainer.resume")
+              "trainer.output_dir", "trainer.save_hf", "trainer.save_every", "trainer.resume", "rollout.routing_replay")
+REPLAY_SUFFIX = "_r3"  # a setting run with rollout.routing_replay: true (--routing-replay)
+ROUTING = ("routing mismatch", "moe/routing_mismatch_fraction")
 KL, GRAD = "rollout_corr/k3_kl", "grad_norm"
 MISMATCH = (("k3 KL", KL), ("abs log ppl diff", "rollout_corr/log_ppl_abs_diff"),
-            ("chi2_seq", "rollout_corr/chi2_seq"), ("RS masked", "rollout_corr/rollout_rs_masked_fraction"))
+            ("chi2_seq", "rollout_corr/chi2_seq"), ("RS masked", "rollout_corr/rollout_rs_masked_fraction"), ROUTING)
 SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 3.0, 20, 5
 NO_REJECTION = {"rejected_right": math.nan, "rejected_wrong": math.nan}
 UNSHOWN_OVERRIDES = ("trainer.logger=", "trainer.tensorboard=", "trainer.dump_every=")  # not in the figure title (tensorboard=: runs recorded before trainer.logger)
@@ -119,6 +127,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="no training: rebuild the report from OUT/runs")
     p.add_argument("--skip-done", action="store_true", help="keep runs whose metrics have every step")
     p.add_argument("--reference", default=None, help="another ablation's folder, shown beside this one")
+    p.add_argument("--routing-replay", choices=("off", "on", "both"), default="off",
+                   help="MoE recipes: run each setting with rollout routing replay (on), with and without it "
+                        "(both: <setting> and <setting>_r3), or leave it to the recipe (off, the default)")
     p.add_argument("--define", metavar="NAME BASE [FIELD=VALUE ...]",
                    help="a setting of your own: setting BASE with these algorithm.rollout_correction fields "
                         "changed, run as NAME (repeatable; NAME joins --settings)")
@@ -126,7 +137,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.overrides = overrides  # recipe overrides (section.key=value) for every run
     args.defines = defines      # {NAME: (BASE, {field: value})}
     args.settings = [*args.settings, *(name for name in defines if name not in args.settings)]
+    args.corrections = list(args.settings)  # the correction settings, before --routing-replay names the runs
+    if args.routing_replay != "off":
+        replayed = [s + REPLAY_SUFFIX for s in args.settings]
+        args.settings = [x for pair in zip(args.settings, replayed) for x in pair] \
+            if args.routing_replay == "both" else replayed
     return args
+
+
+def correction_of(setting: str) -> str:
+    """The correction setting a run setting trains with (<setting>_r3: <setting>, with routing replay)."""
+    return setting.removesuffix(REPLAY_SUFFIX)
 
 
 def _usage_error(message: str) -> None:
@@ -169,18 +190,19 @@ def check_args(args: argparse.Namespace) -> None:
     if not Path(args.recipe).is_file():
         raise ValueError(f"--recipe {args.recipe}: no such file (e.g. recipes/tiny_hf_cpu.yaml)")
     for name, (base, _) in args.defines.items():
-        if name in SETTINGS or not name.replace("_", "").isalnum():
+        if name in SETTINGS or not name.replace("_", "").isalnum() or name.endswith(REPLAY_SUFFIX):
             raise ValueError(f"--define {name}: the name must be new (not one of {', '.join(SETTINGS)}) and made "
-                             "of letters, digits and '_' (it names files)")
+                             f"of letters, digits and '_' (it names files), not ending in {REPLAY_SUFFIX} (which marks "
+                             "runs with routing replay)")
         if base not in SETTINGS:
             raise ValueError(f"--define {name} {base}: unknown base setting{did_you_mean(base, SETTINGS)}; "
                              f"available: {', '.join(SETTINGS)}")
     known = (*SETTINGS, *args.defines)
-    unknown = [s for s in args.settings if s not in known]
+    unknown = [s for s in args.corrections if s not in known]
     if unknown:
         raise ValueError(f"--settings: unknown setting {unknown[0]!r}{did_you_mean(unknown[0], known)}; "
                          f"available: {', '.join(known)} (or --define one)")
-    for name, values in (("--settings", args.settings), ("--seeds", args.seeds)):
+    for name, values in (("--settings", args.corrections), ("--seeds", args.seeds)):
         if len(set(values)) != len(values):
             raise ValueError(f"{name} lists a value twice: {values}")
     if args.lag < 0:
@@ -200,6 +222,7 @@ def check_args(args: argparse.Namespace) -> None:
 def correction_block(setting: str, recipe: str | Path, overrides: Sequence[str],
                      defines: dict[str, tuple[str, dict[str, Any]]] | None = None) -> dict[str, Any]:
     """The algorithm.rollout_correction block a setting trains with."""
+    setting = correction_of(setting)
     if defines and setting in defines:
         base, fields = defines[setting]
         block = {**correction_block(base, recipe, overrides), **fields}
@@ -230,7 +253,9 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
             overrides = (*args.overrides, f"algorithm.rollout_correction={block}", f"rollout.policy_lag={args.lag}",
                          f"trainer.seed={seed}", f"trainer.output_dir={run_out}", "trainer.save_hf=false",
                          "trainer.save_every=0", "trainer.resume=false",
-                         *([f"trainer.steps={args.steps}"] if args.steps else []))
+                         *([f"trainer.steps={args.steps}"] if args.steps else []),
+                         *([f"rollout.routing_replay={str(setting.endswith(REPLAY_SUFFIX)).lower()}"]
+                           if args.routing_replay != "off" else []))
             try:
                 recipe = load_and_check(str(args.recipe), list(overrides), args.nproc)
             except ValueError as err:
@@ -386,6 +411,10 @@ def _fmt(value: float, digits: int = 3) -> str:
 def table(summaries: dict[str, dict[str, Any]], blocks: dict[str, dict], meta: dict[str, Any],
           reference: dict[str, dict[str, Any]] | None = None) -> str:
     reward = meta.get("reward_key", "reward_mean")
+    rows = {**summaries, **{f"{label}, reference": ref["summary"] for label, ref in (reference or {}).items()}}
+    # The routing column only for MoE runs (dense models have no routing to compare).
+    mismatch = [m for m in MISMATCH if m != ROUTING
+                or any(math.isfinite(r.get(ROUTING[1], math.nan)) for r in rows.values())]
     lines = [f"# Rollout-correction ablation: {meta.get('recipe', '')}, policy lag {meta.get('lag', 0)}", "",
              (f"{meta.get('steps', '?')} steps, seeds {meta.get('seeds', [])}, {meta.get('nproc', '?')} processes "
              f"per run. Reward: `{reward}`; final = mean of the last {meta.get('window', 10)} steps; AUC = mean "
@@ -399,15 +428,14 @@ def table(summaries: dict[str, dict[str, Any]], blocks: dict[str, dict], meta: d
              "recomputed from every step's dump (runs with trainer.dump_every=1), mean over seeds."), "",
              "| setting | seeds | final reward | reward AUC | final acc | stuck seeds (from step) | grad-norm spikes | "
              "no-update steps | "
-             + " | ".join(name for name, _ in MISMATCH) + " | rejected: right / wrong answers |",
-             "|---|---|---|---|---|---|---|---|" + "---|" * (len(MISMATCH) + 1)]
-    rows = {**summaries, **{f"{label}, reference": ref["summary"] for label, ref in (reference or {}).items()}}
+             + " | ".join(name for name, _ in mismatch) + " | rejected: right / wrong answers |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * (len(mismatch) + 1)]
     for setting, s in rows.items():
         cells = [setting, str(len(s["seeds"])), f"{_fmt(s['final_reward'])} ± {_fmt(s['final_reward_std'])}",
                  f"{_fmt(s['reward_auc'])} ± {_fmt(s['reward_auc_std'])}",
                  f"{_fmt(s['final_acc'])} ± {_fmt(s['final_acc_std'])}", _stuck_cell(s), f"{s['grad_spikes']:.1f}",
                  f"{s.get('no_update_steps', math.nan):.1f}",
-                 *(_fmt(s[key]) for _, key in MISMATCH), _rejection_cell(s)]
+                 *(_fmt(s.get(key, math.nan)) for _, key in mismatch), _rejection_cell(s)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Correction blocks (algorithm.rollout_correction, fields that differ from the default):", ""]
     default = RolloutCorrectionConfig().to_dict()

@@ -97,6 +97,7 @@ def test_write_report_from_synthetic_metrics(tmp_path):
     none_row = next(line for line in md.splitlines() if line.startswith("| none |"))
     assert "| 2 |" in none_row and "| 0.5 | 0.0 |" in none_row  # one spike in one of two seeds; no dead step
     assert '`token_is`: `{"rollout_is": "token"}`' in md and "`none`: `{} (metrics only)`" in md
+    assert "routing mismatch" not in md  # a dense model's runs: no routing column
     brief = (tmp_path / "ablation_brief.md").read_text().splitlines()
     assert brief[0].startswith("| setting | final reward |") and len(brief) == 4
     assert brief[2].startswith("| none | ") and "| 0/2 |" in brief[2]   # no seed stuck
@@ -223,6 +224,33 @@ def test_correction_blocks():
     assert ablate.correction_block("pg_rs", TINY, [])["use_policy_gradient"] is True
     with pytest.raises(ValueError, match="--settings dapo uses the recipe's own"):
         ablate.correction_block("dapo", TINY, ["algorithm.rollout_correction=null"])
+
+
+def test_routing_replay_runs_each_setting_with_and_without_it(tmp_path):
+    args = ablate.parse_args(["--recipe", str(TINY), "--out", str(tmp_path), "--settings", "none", "token_is",
+                              "--routing-replay", "both"])
+    assert args.settings == ["none", "none_r3", "token_is", "token_is_r3"]
+    assert ablate.correction_block("token_is_r3", TINY, []) == ablate.correction_block("token_is", TINY, [])
+    only = ablate.parse_args(["--recipe", str(TINY), "--out", str(tmp_path), "--settings", "none",
+                              "--routing-replay", "on"])
+    assert only.settings == ["none_r3"]
+    with pytest.raises(ValueError, match="sets rollout.routing_replay itself"):
+        ablate.check_args(ablate.parse_args(["--recipe", str(TINY), "--out", str(tmp_path),
+                                             "rollout.routing_replay=true"]))
+
+    def moe_run(seed: int, routing: float) -> list[dict]:
+        return [{**r, "moe/routing_mismatch_fraction": routing} for r in synthetic(12, seed, 0.01)]
+
+    records = {"none": {1: moe_run(1, 0.08)}, "none_r3": {1: moe_run(1, 0.06)}}
+    blocks = {name: RolloutCorrectionConfig.disabled().to_dict() for name in records}
+    meta = {"recipe": "recipes/tiny_hf_moe_cpu.yaml", "lag": 0, "seeds": [1], "nproc": 1, "steps": 12,
+            "reward_key": "reward_mean", "window": 5}
+    ablate.write_report(tmp_path, records, blocks, meta)
+    md = (tmp_path / "ablation.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| setting |")).split(" | ")
+    column = header.index("routing mismatch")
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in md.splitlines() if line.startswith("| none")}
+    assert rows["| none"][column] == "0.080" and rows["| none_r3"][column] == "0.060"
 
 
 def test_plan_runs_overrides_and_paths(tmp_path):
