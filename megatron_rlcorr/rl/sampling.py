@@ -50,14 +50,39 @@ def seeded_generator(base: int, *parts: object, device: torch.device | str = "cp
     return torch.Generator(device=device).manual_seed(derive_seed(base, *parts))
 
 
+@dataclass(frozen=True)
+class RoutingLayout:
+    """What a rollout's recorded MoE routing holds: per token `layers` x `topk` expert indices of
+    `dtype`, for the response and, with `prompt`, for the prompt's positions but the last."""
+
+    layers: int
+    topk: int
+    dtype: torch.dtype
+    prompt: bool
+
+    @staticmethod
+    def of(routed: list[torch.Tensor | None], prompt_routed: list[torch.Tensor | None] | None) -> RoutingLayout | None:
+        """From the first recorded tensor (None when nothing is recorded here yet)."""
+        first = next((x for x in routed if x is not None), None)
+        if first is None:
+            return None
+        return RoutingLayout(layers=first.shape[1], topk=first.shape[2], dtype=first.dtype,
+                             prompt=prompt_routed is not None)
+
+
 @dataclass
 class RolloutGroups:
     """G prompt groups of n samples each; sample j of group g is at flat index g * n + j.
 
     Under all-rank generation a rank holds the statistics of every group but the tokens and
-    log-probs only of those its engine generated: the others' `response_ids` and `logprobs` are
-    None until rollout_world.share_of_replica fetches them. `source_G` is the rollout group that
-    generated each group.
+    log-probs only of those its engine generated: the others' `response_ids` and `logprobs` (and
+    routed experts) are None until rollout_world.share_of_replica fetches them. `source_G` is the
+    rollout group that generated each group.
+
+    MoE models: `routed_experts` and `prompt_routed_experts` carry the engine's recorded routing per
+    sequence (rollout.base.RolloutBatch's layout: [len(response), MoE layers, k] and [len(prompt) - 1,
+    MoE layers, k], small ints), in the same g * n + j order, and `routing` says what they hold (so a
+    rank that holds none of them yet can receive them). None for dense models.
     """
 
     prompts: list[Prompt]                   # [G]
@@ -72,6 +97,9 @@ class RolloutGroups:
     filler_G: torch.Tensor | None = None
     lengths_B: torch.Tensor | None = None   # [G * n] response lengths (from response_ids when None)
     source_G: torch.Tensor | None = None    # [G] int64, 0 when None
+    routed_experts: list[torch.Tensor | None] | None = None         # [G * n] each [len(response), MoE layers, k]
+    prompt_routed_experts: list[torch.Tensor | None] | None = None  # [G * n] each [len(prompt) - 1, MoE layers, k]
+    routing: RoutingLayout | None = None    # what the two hold; from the first recorded tensor when None
 
     def __post_init__(self) -> None:
         if self.filler_G is None:
@@ -80,6 +108,10 @@ class RolloutGroups:
             self.lengths_B = torch.tensor([len(r) for r in self.response_ids], dtype=torch.int64)
         if self.source_G is None:
             self.source_G = torch.zeros(len(self.prompts), dtype=torch.int64)
+        if self.routing is None and self.routed_experts is not None:
+            self.routing = RoutingLayout.of(self.routed_experts, self.prompt_routed_experts)
+        assert self.routed_experts is not None or self.prompt_routed_experts is None, \
+            "prompt_routed_experts without routed_experts (engines record the response's routing with the prompt's)"
 
     @property
     def n(self) -> int:
@@ -100,6 +132,10 @@ class RolloutGroups:
 
     def select(self, group_idx: list[int]) -> "RolloutGroups":
         rows = [g * self.n + j for g in group_idx for j in range(self.n)]
+
+        def pick(xs: list | None) -> list | None:
+            return None if xs is None else [xs[r] for r in rows]
+
         return RolloutGroups(
             prompts=[self.prompts[g] for g in group_idx],
             response_ids=[self.response_ids[r] for r in rows],
@@ -111,6 +147,9 @@ class RolloutGroups:
             filler_G=self.filler_G[group_idx].reshape(len(group_idx)),
             lengths_B=self.lengths_B[rows].reshape(len(rows)),
             source_G=self.source_G[group_idx].reshape(len(group_idx)),
+            routed_experts=pick(self.routed_experts),
+            prompt_routed_experts=pick(self.prompt_routed_experts),
+            routing=self.routing,
         )
 
     def as_fillers(self) -> "RolloutGroups":
@@ -118,6 +157,13 @@ class RolloutGroups:
 
     @staticmethod
     def concat(parts: list["RolloutGroups"]) -> "RolloutGroups":
+        layouts = {part.routing for part in parts}
+        assert len(layouts) <= 1, f"concatenating rollouts of different routing records: {layouts}"
+
+        def joined(field: str) -> list | None:
+            lists = [getattr(part, field) for part in parts]
+            return None if any(x is None for x in lists) else [x for xs in lists for x in xs]
+
         return RolloutGroups(
             prompts=[p for part in parts for p in part.prompts],
             response_ids=[r for part in parts for r in part.response_ids],
@@ -129,6 +175,9 @@ class RolloutGroups:
             filler_G=torch.cat([part.filler_G for part in parts]),
             lengths_B=torch.cat([part.lengths_B for part in parts]),
             source_G=torch.cat([part.source_G for part in parts]),
+            routed_experts=joined("routed_experts"),
+            prompt_routed_experts=joined("prompt_routed_experts"),
+            routing=next(iter(layouts), None),
         )
 
 
@@ -158,7 +207,10 @@ def generate_groups(engine: RolloutEngine, task: Task, prompts: list[Prompt], *,
                                                   overlong.penalty)
     return RolloutGroups(prompts=prompts, response_ids=out.response_ids, logprobs=list(out.logprobs),
                          finish_reasons=list(out.finish_reasons), scores_GN=scores_GN.contiguous(),
-                         rewards_GN=rewards_GN, acc_GN=acc_GN.contiguous())
+                         rewards_GN=rewards_GN, acc_GN=acc_GN.contiguous(),
+                         routed_experts=None if out.routed_experts is None else list(out.routed_experts),
+                         prompt_routed_experts=(None if out.prompt_routed_experts is None
+                                                else list(out.prompt_routed_experts)))
 
 
 FilterMetric = Literal["acc", "score", "reward"]

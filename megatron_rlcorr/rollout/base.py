@@ -192,6 +192,11 @@ def weight_dtype(precision: Precision) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
+def routed_experts_dtype(num_experts: int) -> torch.dtype:
+    """The integer dtype recorded routing is kept in: uint8 for up to 256 experts, else int16."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
 @dataclass
 class RolloutBatch:
     """Sampled responses, one per input prompt, in input order.

@@ -1,12 +1,28 @@
-"""The embedded rollout engine: a batched KV-cache sampler for Qwen2/LLaMA-style decoders in pure torch.
+"""The embedded rollout engine: a batched KV-cache sampler for Qwen2/LLaMA/Qwen-MoE-style decoders in pure torch.
 
 It stands in for vLLM: a separate implementation of the trainer's architecture that receives the
 trainer's weights after every step and runs them with its own numerics, so the trainer and the
 rollout engine disagree on token probabilities the way they do in production.
 
 Architecture: model.architecture.DecoderShape (GQA, optional q/k/v bias, optional per-head q/k
-RMSNorm, LLaMA-3 rope scaling). Weights come in the neutral naming of model.weights
-(`neutral_weight_shapes`), lm_head.weight included (the embedding again for tied models).
+RMSNorm, LLaMA-3 rope scaling, mixture-of-experts layers). Weights come in the neutral naming of
+model.weights (`neutral_weight_shapes`), lm_head.weight included (the embedding again for tied models).
+
+Mixture of experts (`DecoderShape.moe`): a MoE layer routes by architecture.py's rule, as
+model/reference.py does: router logits in the engine's dtype (bf16 in bf16 and fp8 mode, float32 in
+fp32 mode: vLLM computes the gate in the model dtype), top-k by logit (descending, ties to the lower
+index as torch.topk), weights = softmax (float32) over the top-k logits, or over all experts with
+`pre_softmax`; the shared expert (Qwen2-MoE) adds sigmoid(shared_gate . x) times its SwiGLU. Each
+expert runs only on the tokens routed to it (grouped by expert, outputs weighted and summed in
+float32 with index_add, then cast to the engine's dtype).
+
+Recorded routing: every generation fills RolloutBatch.routed_experts (per sample [len(response),
+MoE layers, top-k], base.routed_experts_dtype: uint8 for <= 256 experts, else int16; experts in
+descending router-logit order). Row j is the forward at input position len(prompt) - 1 + j: the
+prefill's last prompt position for j = 0, then the decode step that consumed response token j - 1.
+prompt_routed_experts holds the prefill's rows of positions 0..len(prompt) - 2 ([len(prompt) - 1,
+MoE layers, top-k]). Only the top-k indices are kept, as small integers: (prompt + response - 1)
+x MoE layers x k bytes a sample for uint8. Dense models: both None.
 
 Precision modes:
 - fp32: weights, activations and norms in float32.
@@ -14,10 +30,12 @@ Precision modes:
   before the weight multiply; attention via SDPA on bf16 inputs; log-probs from the bf16 logits
   cast to float32 (with `fp32_lm_head`, model.fp32_lm_head, the output layer runs in float32 on
   the bf16 hidden states, as the trainer's then does).
-- fp8: like bf16, but every decoder linear weight (q, k, v, o, gate, up, down) is per-tensor
-  e4m3 quantised-dequantised at load time (precision.fp8_e4m3_qdq), as an FP8 engine does
-  with online weight quantisation. Embedding, norms, biases and lm_head stay bf16, and
-  activations are not quantised (weight-only emulation).
+- fp8: like bf16, but every decoder linear weight (q, k, v, o, gate, up, down; in MoE layers
+  every routed expert's gate, up and down and the shared expert's) is per-tensor e4m3
+  quantised-dequantised at load time (precision.fp8_e4m3_qdq), as an FP8 engine does with online
+  weight quantisation. Embedding, norms, biases, lm_head, the MoE router and the shared-expert
+  gate stay bf16 (vLLM does not quantise its MoE gates), and activations are not quantised
+  (weight-only emulation).
 
 Policy lag (`policy_lag` K, rollout.policy_lag): the asynchronous-RL mismatch, emulated. Every
 `load_weights` delivers the trainer's newest weights (the trainer loads once before step 1 and
@@ -46,9 +64,10 @@ import torch.nn.functional as F
 
 from ..model.architecture import DecoderShape, rotary_inv_freq
 from ..model.weights import neutral_weight_shapes
-from .base import FinishReason, LogprobsMode, Precision, RolloutBatch, weight_dtype
+from .base import FinishReason, LogprobsMode, Precision, RolloutBatch, routed_experts_dtype, weight_dtype
 from .precision import fp8_e4m3_qdq
 
+# Quantised in fp8 mode (by the name before ".weight"); a MoE layer's router and shared_gate are not.
 _LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -65,6 +84,16 @@ def random_weights(shape: DecoderShape, *, generator: torch.Generator | None = N
 
 
 @dataclass
+class _Moe:
+    router: torch.Tensor                 # [E, H]
+    gate_up_EFH: torch.Tensor            # [E, 2 Fe, H]: every expert's gate and up, stacked
+    down_EHF: torch.Tensor               # [E, H, Fe]
+    shared_gate_up: torch.Tensor | None  # [2 Fs, H] (Qwen2-MoE's shared expert)
+    shared_down: torch.Tensor | None     # [H, Fs]
+    shared_gate: torch.Tensor | None     # [1, H]
+
+
+@dataclass
 class _Layer:
     attn_norm: torch.Tensor
     qkv: torch.Tensor  # [q_dim + 2 kv_dim, H]: q, k and v fused into one matmul
@@ -73,8 +102,9 @@ class _Layer:
     k_norm: torch.Tensor | None
     o: torch.Tensor
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2F, H]
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # [2F, H]; None in a MoE layer
+    down: torch.Tensor | None
+    moe: _Moe | None = None
 
 
 @dataclass
@@ -100,6 +130,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +208,7 @@ class EmbeddedEngine:
         if missing:
             raise ValueError(f"load_weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''} (names as in "
                              "model.weights.neutral_weight_shapes of the engine's DecoderShape)")
-        layers = [self._fuse_layer(w, f"layers.{i}.") for i in range(self.shape.num_layers)]
+        layers = [self._fuse_layer(w, i) for i in range(self.shape.num_layers)]
         self._history.append(_Weights(embed=w["embed.weight"], layers=layers, final_norm=w["final_norm.weight"],
                                       lm_head=self._output_weight(self._sampled_rows(w["lm_head.weight"]))))
         self.weights = self._history[0]  # the latest for K = 0, else K loads old (or the first)
@@ -198,15 +233,29 @@ class EmbeddedEngine:
             tensor = fp8_e4m3_qdq(tensor)
         return tensor.to(self.dtype).contiguous()
 
-    def _fuse_layer(self, w: dict[str, torch.Tensor], p: str) -> _Layer:
+    def _fuse_layer(self, w: dict[str, torch.Tensor], index: int) -> _Layer:
         # pop: each part is freed as soon as its fused copy exists
+        p = f"layers.{index}."
         parts = {name[len(p):]: w.pop(name) for name in [n for n in w if n.startswith(p)]}
         bias = torch.cat([parts["q.bias"], parts["k.bias"], parts["v.bias"]]) if self.shape.add_qkv_bias else None
+        moe = self._fuse_moe(parts) if self.shape.is_moe_layer(index) else None
         return _Layer(attn_norm=parts["attn_norm.weight"],
                       qkv=torch.cat([parts["q.weight"], parts["k.weight"], parts["v.weight"]]), qkv_bias=bias,
                       q_norm=parts.get("q_norm.weight"), k_norm=parts.get("k_norm.weight"), o=parts["o.weight"],
-                      mlp_norm=parts["mlp_norm.weight"], gate_up=torch.cat([parts["gate.weight"], parts["up.weight"]]),
-                      down=parts["down.weight"])
+                      mlp_norm=parts["mlp_norm.weight"],
+                      gate_up=None if moe else torch.cat([parts["gate.weight"], parts["up.weight"]]),
+                      down=None if moe else parts["down.weight"], moe=moe)
+
+    def _fuse_moe(self, parts: dict[str, torch.Tensor]) -> _Moe:
+        experts = range(self.shape.moe.num_experts)
+        gate_up = torch.stack([torch.cat([parts.pop(f"experts.{e}.gate.weight"), parts.pop(f"experts.{e}.up.weight")])
+                               for e in experts])
+        down = torch.stack([parts.pop(f"experts.{e}.down.weight") for e in experts])
+        if self.shape.moe.shared_expert_ffn_hidden_size is None:
+            return _Moe(parts["router.weight"], gate_up, down, None, None, None)
+        return _Moe(router=parts["router.weight"], gate_up_EFH=gate_up, down_EHF=down,
+                    shared_gate_up=torch.cat([parts["shared.gate.weight"], parts["shared.up.weight"]]),
+                    shared_down=parts["shared.down.weight"], shared_gate=parts["shared_gate.weight"])
 
     # ---- model ---------------------------------------------------------------------------------
 
@@ -245,20 +294,59 @@ class EmbeddedEngine:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B1TS)
         return F.linear(out.transpose(1, 2).reshape(batch, seq, q_dim), layer.o)
 
-    def _mlp(self, x_BTH: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        gate, up = F.linear(x_BTH, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+    def _moe(self, x_BTH: torch.Tensor, moe: _Moe, routing: list[torch.Tensor] | None) -> torch.Tensor:
+        """A MoE block (module docstring); appends the chosen experts [B, T, k] to `routing`."""
+        spec = self.shape.moe
+        batch, seq, hidden = x_BTH.shape
+        x_NH = x_BTH.reshape(-1, hidden)
+        logits_NE = F.linear(x_NH, moe.router)  # the engine's dtype
+        top = logits_NE.topk(spec.router_topk, dim=-1)  # descending
+        chosen_NK = top.indices
+        if spec.pre_softmax:
+            weights_NK = logits_NE.float().softmax(dim=-1).gather(-1, chosen_NK)
+        else:
+            weights_NK = top.values.float().softmax(dim=-1)
+        out_NH = self._routed_experts(x_NH, chosen_NK, weights_NK, moe).to(x_BTH.dtype)
+        if moe.shared_gate_up is not None:
+            gate_N1 = torch.sigmoid(F.linear(x_NH, moe.shared_gate))
+            out_NH = out_NH + gate_N1 * _swiglu(x_NH, moe.shared_gate_up, moe.shared_down)
+        if routing is not None:
+            routing.append(chosen_NK.view(batch, seq, -1).to(routed_experts_dtype(spec.num_experts)))
+        return out_NH.view(batch, seq, hidden)
+
+    @staticmethod
+    def _routed_experts(x_NH: torch.Tensor, chosen_NK: torch.Tensor, weights_NK: torch.Tensor,
+                        moe: _Moe) -> torch.Tensor:
+        """float32 [N, H]: sum over each token's experts of weight x expert(token), every expert run
+        once on the tokens routed to it (one host sync for the group sizes)."""
+        k = chosen_NK.shape[1]
+        expert_P = chosen_NK.reshape(-1)  # P = N k (token, slot) pairs
+        order_P = expert_P.argsort(stable=True)
+        token_P, weight_P = order_P // k, weights_NK.reshape(-1)[order_P]
+        counts = torch.bincount(expert_P, minlength=moe.gate_up_EFH.shape[0]).tolist()
+        out_NH = torch.zeros(x_NH.shape, dtype=torch.float32, device=x_NH.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = token_P[start:start + count]
+                y = _swiglu(x_NH.index_select(0, rows), moe.gate_up_EFH[e], moe.down_EHF[e])
+                out_NH.index_add_(0, rows, y.float() * weight_P[start:start + count, None])
+            start += count
+        return out_NH
 
     def _hidden(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, mask_B1TS: torch.Tensor,
-                cache: _KVCache, start: int) -> torch.Tensor:
-        """Final-norm hidden states of `tokens_BT`, written into the cache at [start, start + T)."""
+                cache: _KVCache, start: int, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Final-norm hidden states of `tokens_BT`, written into the cache at [start, start + T); each
+        MoE layer's chosen experts [B, T, k] are appended to `routing` when given."""
         weights, eps = self.weights, self.shape.norm_epsilon
         assert weights is not None
         rope = self._rope(positions_BT)
         x = F.embedding(tokens_BT, weights.embed)
         for idx, layer in enumerate(weights.layers):
             x = x + self._attention(_rms_norm(x, layer.attn_norm, eps), layer, idx, rope, mask_B1TS, cache, start)
-            x = x + self._mlp(_rms_norm(x, layer.mlp_norm, eps), layer)
+            h = _rms_norm(x, layer.mlp_norm, eps)
+            x = x + (self._moe(h, layer.moe, routing) if layer.moe is not None
+                     else _swiglu(h, layer.gate_up, layer.down))
         return _rms_norm(x, weights.final_norm, eps)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -266,7 +354,8 @@ class EmbeddedEngine:
             return F.linear(hidden.float(), self.weights.lm_head)
         return F.linear(hidden, self.weights.lm_head).float()
 
-    def _prefill(self, tokens_BL: torch.Tensor, pads_B: torch.Tensor, cache: _KVCache) -> torch.Tensor:
+    def _prefill(self, tokens_BL: torch.Tensor, pads_B: torch.Tensor, cache: _KVCache,
+                 routing: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states of left-padded sequences. Padding keys are masked; a padding query sees only
         itself so that no row is fully masked (which would give NaN that leaks through the cache)."""
         width = tokens_BL.shape[1]
@@ -276,7 +365,7 @@ class EmbeddedEngine:
         causal = cols[:, None] >= cols[None, :]  # [L(query), L(key)]
         diag = torch.eye(width, dtype=torch.bool, device=self.device)
         mask = causal & (key_valid[:, None, :] | diag)  # [B, L, L]
-        return self._hidden(tokens_BL, positions, mask.unsqueeze(1), cache, start=0)
+        return self._hidden(tokens_BL, positions, mask.unsqueeze(1), cache, start=0, routing=routing)
 
     def _check_ready(self, prompts: list[list[int]]) -> None:
         if self.weights is None:
@@ -301,7 +390,10 @@ class EmbeddedEngine:
         cache = self._new_cache(batch, width + max_new_tokens)
         key_valid = torch.ones(batch, width + max_new_tokens, dtype=torch.bool, device=self.device)
         key_valid[:, :width] = torch.arange(width, device=self.device)[None, :] >= pads_B[:, None]
-        logits_BV = self._logits(self._prefill(tokens_BL, pads_B, cache)[:, -1])
+        record = self.shape.moe is not None
+        prefill_routing: list[torch.Tensor] | None = [] if record else None
+        logits_BV = self._logits(self._prefill(tokens_BL, pads_B, cache, prefill_routing)[:, -1])
+        decode_routing: list[torch.Tensor] = []  # per decode step [B, L, k]
 
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -319,9 +411,15 @@ class EmbeddedEngine:
             cur = width + step
             positions = (width - pads_B + step)[:, None]
             mask = key_valid[:, None, None, : cur + 1]
-            hidden = self._hidden(token_B[:, None], positions, mask, cache, start=cur)
+            step_routing: list[torch.Tensor] | None = [] if record else None
+            hidden = self._hidden(token_B[:, None], positions, mask, cache, start=cur, routing=step_routing)
+            if record:
+                decode_routing.append(torch.stack(step_routing, dim=2)[:, 0])
             logits_BV = self._logits(hidden[:, -1])
-        return _to_batch(prompts, torch.stack(sampled, 1), torch.stack(logprobs, 1), lengths, finished)
+        batch_out = _to_batch(prompts, torch.stack(sampled, 1), torch.stack(logprobs, 1), lengths, finished)
+        if record:
+            _attach_routing(batch_out, torch.stack(prefill_routing, dim=2), decode_routing, pads_B)
+        return batch_out
 
     def sample_groups(self, prompts: Sequence[Sequence[int]], *, n: int, seeds: Sequence[int], max_new_tokens: int,
                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> RolloutBatch:
@@ -334,10 +432,14 @@ class EmbeddedEngine:
         parts = [self.generate([list(prompt)] * n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, generator=torch.Generator(self.device).manual_seed(seed))
                  for prompt, seed in zip(prompts, seeds)]
+        record = self.shape.moe is not None
         return RolloutBatch(prompt_ids=[p for part in parts for p in part.prompt_ids],
                             response_ids=[r for part in parts for r in part.response_ids],
                             logprobs=[x for part in parts for x in part.logprobs],
-                            finish_reasons=[f for part in parts for f in part.finish_reasons])
+                            finish_reasons=[f for part in parts for f in part.finish_reasons],
+                            routed_experts=[x for part in parts for x in part.routed_experts] if record else None,
+                            prompt_routed_experts=([x for part in parts for x in part.prompt_routed_experts]
+                                                   if record else None))
 
     def sleep(self) -> None:
         """Nothing to give back: the engine holds only its weights, which it needs."""
@@ -404,6 +506,18 @@ def _nucleus(logp_BV: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always has 0 before it
     drop = torch.zeros_like(logp_BV, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
     return logp_BV.masked_fill(drop, float("-inf"))
+
+
+def _attach_routing(batch: RolloutBatch, prefill_BWLK: torch.Tensor, decode_routing: list[torch.Tensor],
+                    pads_B: torch.Tensor) -> None:
+    """Fill the batch's routed_experts and prompt_routed_experts (module docstring) from the
+    prefill's routing [B, width, L, k] (left-padded) and each decode step's [B, L, k]."""
+    # Row j of a response: the prefill's last column for j = 0, then decode step j - 1.
+    response_BSLK = torch.cat([prefill_BWLK[:, -1:], *[r[:, None] for r in decode_routing]], dim=1).cpu()
+    prefill_BWLK, width = prefill_BWLK.cpu(), prefill_BWLK.shape[1]
+    pads = pads_B.tolist()
+    batch.routed_experts = [response_BSLK[i, :len(r)].clone() for i, r in enumerate(batch.response_ids)]
+    batch.prompt_routed_experts = [prefill_BWLK[i, pads[i]: width - 1].clone() for i in range(len(pads))]
 
 
 def _to_batch(prompts: list[list[int]], tokens_BN: torch.Tensor, logprobs_BN: torch.Tensor, lengths_B: torch.Tensor,

@@ -67,6 +67,16 @@ Sampling, under our conventions (rollout/base.py), as vLLM 0.25.1's default (V2)
   length cap, so it agrees: a response that reaches max_tokens on an EOS is "stop" there).
 - a padded vocabulary (Qwen2.5: 152064 rows for 151665 tokens): logits of the rows beyond the
   tokenizer get -inf in the model's `compute_logits`, so they are never sampled.
+
+Routed experts (MoE models, `model.moe`): the LLM is built with `enable_return_routed_experts=True`
+(an `LLM`/EngineArgs keyword, ModelConfig's field), and each finished `CompletionOutput` carries
+`routed_experts`, a numpy array [prompt + response - 1, num_hidden_layers, num_experts_per_tok]: the
+scheduler reads the routing of the request's KV slots of every position but the last (which no
+forward consumed), and the capturer writes each MoE layer at its decoder-layer index, so a dense
+layer's rows (Qwen3-MoE's mlp_only_layers) hold no routing. `split_routed_experts` keeps the MoE
+layers (DecoderShape.moe_layers), casts to base.routed_experts_dtype, and splits the rows as
+RolloutBatch wants them: the last len(response) rows are the response's (row j = position
+len(prompt) - 1 + j), the first len(prompt) - 1 the prompt's.
 """
 from __future__ import annotations
 
@@ -80,9 +90,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import VLLM_MIN_TEMPERATURE, RolloutBatch, RolloutConfig
+from .base import VLLM_MIN_TEMPERATURE, RolloutBatch, RolloutConfig, routed_experts_dtype
 
 if TYPE_CHECKING:
+    from ..model.architecture import DecoderShape
     from ..model.config import ModelConfig
 
 VLLM_VERSION = "0.25.1"
@@ -132,14 +143,40 @@ def _check_vllm_here(cfg: RolloutConfig) -> None:
 
 
 def engine_arguments(cfg: RolloutConfig, model: ModelConfig, *, max_model_len: int, seed: int) -> dict[str, Any]:
-    """The keyword arguments of `vllm.LLM` for this run."""
-    return dict(model=model.hf_checkpoint, tokenizer=model.hf_checkpoint, dtype="bfloat16",
+    """The keyword arguments of `vllm.LLM` for this run (MoE models: also enable_return_routed_experts)."""
+    args = dict(model=model.hf_checkpoint, tokenizer=model.hf_checkpoint, dtype="bfloat16",
                 quantization="fp8" if cfg.precision == "fp8" else None,
                 tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_model_len=max_model_len, seed=seed, enable_sleep_mode=cfg.sleep_level > 0,
                 distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
                 load_format="dummy",  # the trainer's weights arrive by load_weights before any generation
                 worker_extension_cls=_EXTENSION, enable_prefix_caching=True)
+    if model.moe is not None:
+        args["enable_return_routed_experts"] = True
+    return args
+
+
+def split_routed_experts(routed: Any, prompt_len: int, response_len: int,
+                         shape: DecoderShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response rows [response_len, MoE layers, k], prompt rows [prompt_len - 1, MoE layers, k]) of
+    one sample's `CompletionOutput.routed_experts` ([prompt + response - 1, layers, k], numpy or
+    tensor; layers: every decoder layer, or the MoE layers only), in routed_experts_dtype."""
+    import numpy as np
+
+    routed_TLK = (routed.detach().cpu().long() if isinstance(routed, torch.Tensor)
+                  else torch.from_numpy(np.asarray(routed).astype(np.int64)))
+    rows, moe_layers = prompt_len + response_len - 1, list(shape.moe_layers)
+    if routed_TLK.ndim != 3 or routed_TLK.shape[0] != rows or routed_TLK.shape[2] != shape.moe.router_topk:
+        raise RuntimeError(f"vLLM returned routed experts of shape {tuple(routed_TLK.shape)} for a prompt of "
+                           f"{prompt_len} and a response of {response_len} tokens; expected [{rows}, layers, "
+                           f"{shape.moe.router_topk}] (prompt + response - 1 positions, model.moe.router_topk)")
+    if routed_TLK.shape[1] == shape.num_layers:
+        routed_TLK = routed_TLK[:, moe_layers]
+    elif routed_TLK.shape[1] != len(moe_layers):
+        raise RuntimeError(f"vLLM returned routed experts for {routed_TLK.shape[1]} layers; the model has "
+                           f"{shape.num_layers} layers, {len(moe_layers)} of them MoE (model.moe.dense_layers)")
+    routed_TLK = routed_TLK.to(routed_experts_dtype(shape.moe.num_experts))
+    return routed_TLK[prompt_len - 1:].clone(), routed_TLK[: prompt_len - 1].clone()
 
 
 class WeightStreamExtension:
@@ -252,6 +289,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.cfg, self.device = cfg, torch.device(device)
+        self.shape = model.decoder_shape  # MoE: how to read the routed experts
         self.eos_ids = tuple([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or ())
         if not self.eos_ids:
             raise ValueError("the vLLM engine needs the tokenizer's end-of-sequence ids (eos_token_id)")
@@ -298,7 +336,7 @@ class VLLMEngine:
                                  detokenize=False)
                   for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        rows, responses, logprobs = [], [], []
+        rows, responses, logprobs, routed, prompt_routed = [], [], [], [], []
         for prompt, output in zip(prompts, outputs, strict=True):
             samples = sorted(output.outputs, key=lambda c: c.index)
             assert len(samples) == n, f"vLLM returned {len(samples)} samples for a prompt, asked for {n}"
@@ -308,8 +346,20 @@ class VLLMEngine:
                 responses.append(ids)
                 logprobs.append(torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, ids)],
                                              dtype=torch.float32))
+                if self.shape.moe is not None:
+                    if sample.routed_experts is None:
+                        raise RuntimeError("vLLM returned no routed experts for a MoE model (built with "
+                                           "enable_return_routed_experts=True): is model.hf_checkpoint a MoE "
+                                           "checkpoint of model.moe's architecture?")
+                    response_rows, prompt_rows = split_routed_experts(sample.routed_experts, len(prompt), len(ids),
+                                                                      self.shape)
+                    routed.append(response_rows)
+                    prompt_routed.append(prompt_rows)
         finish = ["eos" if ids and ids[-1] in self.eos_ids else "length" for ids in responses]
-        return RolloutBatch(prompt_ids=rows, response_ids=responses, logprobs=logprobs, finish_reasons=finish)
+        moe = self.shape.moe is not None
+        return RolloutBatch(prompt_ids=rows, response_ids=responses, logprobs=logprobs, finish_reasons=finish,
+                            routed_experts=routed if moe else None,
+                            prompt_routed_experts=prompt_routed if moe else None)
 
     def sleep(self) -> None:
         if self.cfg.sleep_level and not self._asleep:

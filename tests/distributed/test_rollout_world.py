@@ -18,10 +18,15 @@ COMMON = ["data.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=6", 
 
 
 def _view(groups):
-    """What a rollout is: prompts, tokens, log-probs, finish reasons, rewards, fillers."""
+    """What a rollout is: prompts, tokens, log-probs, finish reasons, rewards, fillers, and the routed
+    experts (with their dtype) where the engine recorded them."""
+    def listed(xs):
+        return None if xs is None else [(str(x.dtype), x.tolist()) for x in xs]
+
     return {"prompts": [p.ids for p in groups.prompts], "responses": groups.response_ids,
             "logprobs": [x.tolist() for x in groups.logprobs], "finish": groups.finish_reasons,
-            "rewards": groups.rewards_GN.tolist(), "fillers": groups.filler_G.tolist()}
+            "rewards": groups.rewards_GN.tolist(), "fillers": groups.filler_G.tolist(),
+            "routed": listed(groups.routed_experts), "prompt_routed": listed(groups.prompt_routed_experts)}
 
 
 def _trainer_rollouts(rank, world_size, layouts):
@@ -57,7 +62,8 @@ def _slice(view, start, end, n):
     rows = slice(start * n, end * n)
     return {"prompts": view["prompts"][start:end], "responses": view["responses"][rows],
             "logprobs": view["logprobs"][rows], "finish": view["finish"][rows],
-            "rewards": view["rewards"][start:end], "fillers": view["fillers"][start:end]}
+            "rewards": view["rewards"][start:end], "fillers": view["fillers"][start:end],
+            **{key: None if view[key] is None else view[key][rows] for key in ("routed", "prompt_routed")}}
 
 
 def test_one_process_dp2_tp2_pp2_and_cp2_sample_identical_rollouts():
@@ -82,12 +88,13 @@ def test_one_process_dp2_tp2_pp2_and_cp2_sample_identical_rollouts():
 
 class _SeededEngine:
     """A stand-in engine whose samples are a function of (prompt, seed, sample index) only, as the
-    interface requires; responses of 1 to 4 tokens, some ending in EOS."""
+    interface requires; responses of 1 to 4 tokens, some ending in EOS. It records MoE routing as an
+    engine of 300 experts (int16), 2 MoE layers and top-2 would, prompt rows included."""
 
     def sample_groups(self, prompts, *, n, seeds, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0):
         from megatron_rlcorr.rollout import RolloutBatch
 
-        rows, responses, logprobs, finish = [], [], [], []
+        rows, responses, logprobs, finish, routed, prompt_routed = [], [], [], [], [], []
         for prompt, seed in zip(prompts, seeds):
             for j in range(n):
                 g = torch.Generator().manual_seed(seed + j)
@@ -100,7 +107,10 @@ class _SeededEngine:
                 responses.append(ids)
                 logprobs.append(-torch.rand(length, generator=g))
                 finish.append("eos" if eos else "length")
-        return RolloutBatch(prompt_ids=rows, response_ids=responses, logprobs=logprobs, finish_reasons=finish)
+                routed.append(torch.randint(0, 300, (length, 2, 2), generator=g, dtype=torch.int16))
+                prompt_routed.append(torch.randint(0, 300, (len(prompt) - 1, 2, 2), generator=g, dtype=torch.int16))
+        return RolloutBatch(prompt_ids=rows, response_ids=responses, logprobs=logprobs, finish_reasons=finish,
+                            routed_experts=routed, prompt_routed_experts=prompt_routed)
 
 
 def _world_rollouts(rank, world_size, layouts):
@@ -138,6 +148,8 @@ def test_rollout_groups_of_two_ranks_spread_and_return_the_samples():
     (reference,), = run_distributed(_world_rollouts, 1, [(1, 1)])
     whole = reference["share"]
     assert len(whole["prompts"]) == 12 and all(whole["responses"])
+    assert [len(r) for _, r in whole["routed"]] == [len(r) for r in whole["responses"]]
+    assert {dtype for dtype, _ in whole["routed"] + whole["prompt_routed"]} == {"torch.int16"}
     per_rank = run_distributed(_world_rollouts, 4, layouts)
     for index, layout in enumerate(layouts):
         for rank in range(4):

@@ -72,13 +72,78 @@ def test_the_llm_is_built_for_colocated_external_launcher_ranks(vllm, tiny_hf):
                           seed=5, enable_sleep_mode=True, distributed_executor_backend="external_launcher",
                           logprobs_mode="processed_logprobs", load_format="dummy",
                           worker_extension_cls="megatron_rlcorr.rollout.vllm_engine.WeightStreamExtension",
-                          enable_prefix_caching=True)
+                          enable_prefix_caching=True, enable_return_routed_experts=False)  # dense: not asked for
     import os
 
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert TOKENS < _model(tiny_hf).vocab_size
     assert rest == [("collective_rpc", ("mask_vocab_rows_from", (TOKENS,)))]
     assert engine.weight_dtype == torch.bfloat16
+
+
+def _moe_checkpoint(tiny_hf, tmp_path):
+    """The tiny checkpoint with a Qwen3-MoE-like config.json (4 layers, layer 1 dense, 6 experts, top-2)
+    for the stand-in, and the matching ModelConfig."""
+    import dataclasses
+    import json
+    import shutil
+
+    from megatron_rlcorr.model.config import MoeConfig
+
+    directory = tmp_path / "moe"
+    shutil.copytree(tiny_hf / "model", directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1], num_hidden_layers=4)
+    (directory / "config.json").write_text(json.dumps(config))
+    dense = _model(tiny_hf)
+    moe = MoeConfig(num_experts=6, router_topk=2, ffn_hidden_size=8, dense_layers=(1,))
+    return directory, dataclasses.replace(dense, hf_checkpoint=str(directory), num_layers=4, moe=moe)
+
+
+def test_moe_models_ask_for_routed_experts_and_get_them_row_aligned(vllm, tiny_hf, tmp_path):
+    from megatron_rlcorr.data.hf_tokenizer import HFTokenizer
+    from megatron_rlcorr.rollout.vllm_engine import split_routed_experts
+
+    directory, model = _moe_checkpoint(tiny_hf, tmp_path)
+    tok = HFTokenizer(str(tiny_hf / "model"))
+    engine = make_engine(RolloutConfig(engine="vllm", temperature=0.9), model, eos_token_id=tok.eos_ids, device="cpu",
+                         token_vocab_size=TOKENS, max_model_len=72, seed=5)
+    (name, kwargs), *_ = vllm.CALLS
+    assert kwargs["enable_return_routed_experts"] is True
+    engine.load_weights({k: v.to(torch.bfloat16) for k, v in _checkpoint(tiny_hf).items()})
+    prompts = [[1, 5, 9, 4], [1, 7]]
+    out = engine.sample_groups(prompts, n=3, seeds=[11, 12], max_new_tokens=5, temperature=0.9)
+    assert len(out.routed_experts) == len(out.prompt_routed_experts) == 6
+    for prompt, ids, routed, prompt_routed in zip(out.prompt_ids, out.response_ids, out.routed_experts,
+                                                  out.prompt_routed_experts):
+        sequence = prompt + ids
+
+        def expected(position: int) -> list[list[int]]:  # the stand-in's rule, MoE layers 0, 2, 3 kept
+            rows = vllm.routing_row(sequence[position], position, 4, 2, 6, [1])
+            return [rows[layer] for layer in (0, 2, 3)]
+
+        assert routed.dtype == torch.uint8 and routed.shape == (len(ids), 3, 2)
+        assert prompt_routed.dtype == torch.uint8 and prompt_routed.shape == (len(prompt) - 1, 3, 2)
+        # Response row j: position len(prompt) - 1 + j, the forward whose output gave token j.
+        assert routed.tolist() == [expected(len(prompt) - 1 + j) for j in range(len(ids))]
+        assert prompt_routed.tolist() == [expected(p) for p in range(len(prompt) - 1)]
+    # The conversion alone: rows of the MoE layers only, or of every layer (the dense ones dropped); others refused.
+    shape = model.decoder_shape
+    moe_only = torch.arange(6 * 3 * 2).reshape(6, 3, 2) % 6
+    want = (moe_only[3:].to(torch.uint8), moe_only[:3].to(torch.uint8))
+    assert all(map(torch.equal, split_routed_experts(moe_only.numpy(), 4, 3, shape), want))
+    with pytest.raises(RuntimeError, match=r"expected \[6, layers, 2\]"):
+        split_routed_experts(moe_only[:5].numpy(), 4, 3, shape)
+    every_layer = torch.stack([moe_only[:, 0], moe_only[:, 0] + 1, moe_only[:, 1], moe_only[:, 2]], dim=1)
+    assert all(map(torch.equal, split_routed_experts(every_layer, 4, 3, shape), want))  # dense layer 1 dropped
+    with pytest.raises(RuntimeError, match="5 layers; the model has 4 layers, 3 of them MoE"):
+        split_routed_experts(torch.zeros(6, 5, 2, dtype=torch.int32), 4, 3, shape)
+    # A dense model records nothing.
+    dense = make_engine(RolloutConfig(engine="vllm", sleep_level=0), _model(tiny_hf), eos_token_id=tok.eos_ids,
+                        device="cpu", token_vocab_size=TOKENS, max_model_len=72, seed=5)
+    dense.load_weights({k: v.to(torch.bfloat16) for k, v in _checkpoint(tiny_hf).items()})
+    plain = dense.sample_groups(prompts, n=1, seeds=[1, 2], max_new_tokens=2)
+    assert plain.routed_experts is None and plain.prompt_routed_experts is None
 
 
 def test_sampling_params_logprob_readout_eos_and_padded_rows(vllm, tiny_hf):

@@ -14,6 +14,13 @@ Its "model" is a bigram language model made of the loaded Hugging Face weights
 (logits = embed[last token] @ lm_head.T, in float32), so a test can recompute every log-prob;
 it checks the loaded names, shapes and dtypes against the checkpoint's safetensors. Every call is
 appended to `CALLS` as (method, details); vLLM's warnings go to the `logging` logger "vllm".
+
+Routed experts (`enable_return_routed_experts=True`): as vLLM's scheduler (`_get_routed_experts`:
+the request's num_tokens - 1 KV slots) and routed_experts_capturer.py (an int32 buffer [tokens,
+hf num_hidden_layers, num_experts_per_tok], zero-initialised, each MoE layer written at its decoder
+layer index), a finished CompletionOutput's `routed_experts` is an int32 numpy array [prompt +
+response - 1, num_hidden_layers, num_experts_per_tok]; its rows are `routing_row(token, position)`
+(a stand-in rule, since the bigram model has no router), and zero in config.json's mlp_only_layers.
 """
 from __future__ import annotations
 
@@ -88,13 +95,25 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
+    """outputs.py CompletionOutput (its field order: routed_experts after logprobs)."""
+
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
+    routed_experts: Any = None  # np.ndarray | None, [seq_len, layer_num, topk]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+def routing_row(token: int, position: int, num_layers: int, topk: int, num_experts: int,
+                dense_layers: list[int]) -> list[list[int]]:
+    """The stand-in's routed experts of one position ([layers][topk], distinct per layer; zero rows
+    for dense layers): a function of the token and its position only."""
+    return [[0] * topk if layer in dense_layers else
+            [(token * 3 + position * 5 + layer * 7 + slot) % num_experts for slot in range(topk)]
+            for layer in range(num_layers)]
 
 
 @dataclass
@@ -263,7 +282,7 @@ class LLM:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  seed: int = 0, enable_sleep_mode: bool = False, distributed_executor_backend: str | None = None,
                  logprobs_mode: str = "raw_logprobs", load_format: str = "auto", worker_extension_cls: str = "",
-                 enable_prefix_caching: bool | None = None) -> None:
+                 enable_prefix_caching: bool | None = None, enable_return_routed_experts: bool = False) -> None:
         global _sleep_pool_in_use
         if logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode}")
@@ -276,7 +295,8 @@ class LLM:
                            max_model_len=max_model_len, seed=seed, enable_sleep_mode=enable_sleep_mode,
                            distributed_executor_backend=distributed_executor_backend, logprobs_mode=logprobs_mode,
                            load_format=load_format, worker_extension_cls=worker_extension_cls,
-                           enable_prefix_caching=enable_prefix_caching)
+                           enable_prefix_caching=enable_prefix_caching,
+                           enable_return_routed_experts=enable_return_routed_experts)
         CALLS.append(("LLM", self.kwargs))
         if enable_sleep_mode:
             # Sleep mode allocates through one process-wide pool (config/model.py turns on the cumem
@@ -288,6 +308,12 @@ class LLM:
         bases = (_Worker, _resolve(worker_extension_cls)) if worker_extension_cls else (_Worker,)
         self.worker = type("Worker", bases, {})(_Model(Path(model), quantization), self.kwargs)
         self.asleep: set[str] = set()
+        self.routing: dict | None = None
+        if enable_return_routed_experts:  # the capturer's buffer reads these (AttributeError on a dense config)
+            config = json.loads((Path(model) / "config.json").read_text())
+            self.routing = dict(num_layers=config["num_hidden_layers"], topk=config["num_experts_per_tok"],
+                                num_experts=config.get("num_experts") or config["num_local_experts"],
+                                dense_layers=list(config.get("mlp_only_layers") or []))
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list[Any]:
@@ -366,5 +392,11 @@ class LLM:
             elif len(tokens) >= sp.max_tokens or (max_model_len is not None
                                                   and len(prompt) + len(tokens) >= max_model_len):
                 finish = "length"
-        return CompletionOutput(index, "", tokens, None, logprobs if sp.logprobs is not None else None, finish,
-                                stop_reason)
+        routed = None
+        if self.routing is not None:  # every position but the last: prompt + response - 1 rows
+            import numpy as np
+
+            sequence = prompt + tokens
+            routed = np.array([routing_row(t, p, **self.routing) for p, t in enumerate(sequence[:-1])], dtype=np.int32)
+        return CompletionOutput(index, "", tokens, None, logprobs if sp.logprobs is not None else None,
+                                routed_experts=routed, finish_reason=finish, stop_reason=stop_reason)
