@@ -11,8 +11,11 @@ trainer applies it, under the layout of the overrides (`parallel.tp=2`, `model.b
 normalised over the tokenizer's rows only (PADDED_ROWS_NOTE).
 
 Each data-parallel replica scores every dp-th record, shortest first, in calls of
-`trainer.micro_batch_size` x pp sequences (forward only, the trainer's pipeline schedule);
-rank 0 gathers the log-probs and writes OUT. When records carry `rollout_log_probs`, rank 0 also
+`trainer.micro_batch_size` x pp sequences (forward only, the trainer's pipeline schedule).
+With expert parallelism (parallel.ep > 1) the expert-parallel group spans data-parallel ranks
+and every MoE layer's token exchange is collective over it, so the replicas run in lockstep:
+the same number of calls, each padded to the longest record, in padded micro-batches
+(trainer.max_tokens_per_micro_batch is not used). rank 0 gathers the log-probs and writes OUT. When records carry `rollout_log_probs`, rank 0 also
 runs the rollout correction on all of them at once (the recipe's correction block, or the DAPO
 block when the recipe has none), prints its metrics and writes them to OUT.metrics.json.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -108,10 +112,15 @@ def score_records(source: ModelSource, recipe: Recipe, records: list[RolloutReco
     load_source_weights(source, chunks, groups)
     mine = sorted(range(groups.dp_rank, len(records), groups.dp_size), key=lambda i: _length(records[i]))
     per_call = recipe.trainer.micro_batch_size * groups.pp_size
+    calls, width, max_tokens = math.ceil(len(mine) / per_call), 1, recipe.trainer.max_tokens_per_micro_batch
+    if groups.ep_size > 1:  # lockstep over the data-parallel ranks (module docstring)
+        calls = math.ceil(math.ceil(len(records) / groups.dp_size) / per_call)  # the most any replica makes
+        width, max_tokens = max(_length(r) for r in records), 0
     local: dict[int, list[float]] = {}
-    for start in range(0, len(mine), per_call):
+    for start in range(0, calls * per_call, per_call):
         local.update(_score_call(chunks, [records[i] for i in mine[start:start + per_call]],
-                                 mine[start:start + per_call], per_call, recipe, groups))
+                                 mine[start:start + per_call], per_call, recipe, groups, width=width,
+                                 max_tokens=max_tokens))
     holds = groups.is_pipeline_last_stage() and groups.tp_rank == 0 and groups.cp_rank == 0
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local if holds else {}, gathered, dst=0)
@@ -127,21 +136,22 @@ def _length(record: RolloutRecord) -> int:
 
 
 def _score_call(chunks, rows: list[RolloutRecord], indices: list[int], per_call: int, recipe: Recipe,
-                groups) -> dict[int, list[float]]:
-    """Log-probs of `rows` (the call padded to `per_call` sequences with one-token fillers)."""
+                groups, *, width: int, max_tokens: int) -> dict[int, list[float]]:
+    """Log-probs of `rows` (the call padded to `per_call` sequences with one-token fillers, its
+    width to a multiple of `width`; `max_tokens`: trainer.max_tokens_per_micro_batch or 0)."""
     from .rl.batch import padded_sequences
     from .training.step import StepBatch, compute_old_log_probs
 
     fillers = per_call - len(rows)
     prompts = [r.prompt_ids for r in rows] + [[0]] * fillers
     responses = [r.response_ids for r in rows] + [[0]] * fillers
-    tokens_BT, targets_BT, response_BT, _ = padded_sequences(prompts, responses)
+    tokens_BT, targets_BT, response_BT, _ = padded_sequences(prompts, responses, pad_multiple=width)
     zeros_BT = torch.zeros_like(tokens_BT, dtype=torch.float32)
     batch = StepBatch(tokens_BT, targets_BT, response_BT.float(), zeros_BT, zeros_BT)
     log_probs_BT = compute_old_log_probs(chunks, batch, groups=groups,
                                          micro_batch_size=recipe.trainer.micro_batch_size,
                                          temperature=recipe.rollout.temperature or 1.0,
-                                         max_tokens_per_micro_batch=recipe.trainer.max_tokens_per_micro_batch)
+                                         max_tokens_per_micro_batch=max_tokens)
     if log_probs_BT is None:
         return {}
     log_probs_BT = log_probs_BT.cpu()

@@ -9,7 +9,13 @@ Families (what each one exercises):
 - qwen2: GQA, q/k/v bias, untied embeddings (Qwen2 / Qwen2.5);
 - qwen3: per-head q/k RMSNorm, tied embeddings, head_dim 16 != hidden / heads;
 - llama: tied embeddings, head_dim 16, LLaMA-3.1 rope scaling (base 5e5 and head_dim 16 give
-  rotary wavelengths in all three regimes of the llama3 rule).
+  rotary wavelengths in all three regimes of the llama3 rule);
+- qwen3_moe (MOE_FAMILIES): 4 experts of width 16, top 2, normalised top-k weights, a dense first
+  layer (mlp_only_layers [0]), q/k norms, head_dim 16;
+- qwen2_moe: 4 experts, top 2, weights not renormalised, every second layer sparse
+  (decoder_sparse_step 2: layers 1 and 3), a shared expert of width 24 with its sigmoid gate, q/k/v bias.
+Random router weights make ties between router logits essentially impossible, so transformers'
+top-k (on float32 softmax probabilities) and the model's (on logits) pick the same experts.
 """
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 FAMILIES = ("qwen2", "qwen3", "llama")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+MOE_COMMON = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, rope_theta=500.0,
+                  tie_word_embeddings=False)
 
 
 def hf_config(family: str):
@@ -35,6 +44,12 @@ def hf_config(family: str):
     if family == "llama":
         return transformers.LlamaConfig(**COMMON, head_dim=16, rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE),
                                         tie_word_embeddings=True)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**COMMON, **MOE_COMMON, head_dim=16, norm_topk_prob=True,
+                                           mlp_only_layers=[0], decoder_sparse_step=1)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**COMMON, **MOE_COMMON, norm_topk_prob=False, decoder_sparse_step=2,
+                                           shared_expert_intermediate_size=24)
     raise ValueError(family)
 
 

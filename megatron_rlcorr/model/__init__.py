@@ -1,3 +1,5 @@
-"""The policy model: settings (config), Megatron-Core model building (build), weights in the
-neutral naming and their Megatron shards (weights), and the plain-torch reference forward
-(reference). Importing this package does not import Megatron-Core."""
+"""The policy model. Its modules import one way: the architecture (architecture), config.json <->
+architecture (hf_config) and the published architectures (presets), the recipe's settings
+(config), the neutral weight names and their Megatron shards (weights), Hugging Face tensor names,
+reading and writing (hf), then Megatron-Core model building (build) and the plain-torch reference
+forward (reference). Importing this package does not import Megatron-Core."""

@@ -1,7 +1,7 @@
 """The policy model's settings: the recipe's `model:` section (architecture, precision, FP8).
 
 The architecture is architecture.DecoderShape's (Megatron-Core field names). With
-`hf_checkpoint: DIR` it comes from the checkpoint's config.json (hf.py) and the weights from its
+`hf_checkpoint: DIR` it comes from the checkpoint's config.json (hf_config.py) and the weights from its
 safetensors; architecture keys also given in the recipe must agree with config.json.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 
 from ..settings import check_choice, from_mapping
 from .architecture import DecoderShape, MoeShape, check_positive_ints
+from .hf_config import checkpoint_agrees_with_preset, merge_architecture, merge_preset
+from .presets import preset_architecture
 
 Fp8Format = Literal["e4m3", "hybrid"]
 Fp8RecipeName = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
@@ -251,22 +253,17 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any] | None) -> "ModelConfig":
         """From a recipe's `model:` mapping; unknown or missing keys raise ValueError. With
-        `hf_checkpoint`, the architecture keys come from its config.json (hf.read_architecture);
+        `hf_checkpoint`, the architecture keys come from its config.json (hf_config.read_architecture);
         with `architecture`, from the named preset, checked against the checkpoint when it exists
         (a checkpoint not on disk yet is reported by the launch checks, not here: `plan` needs none)."""
         mapping = dict(mapping or {})
         checkpoint, name = mapping.get("hf_checkpoint"), mapping.get("architecture")
         if name is not None:
-            from .hf import checkpoint_agrees_with_preset, merge_preset
-            from .presets import preset_architecture
-
             preset = preset_architecture(str(name))
             if checkpoint is not None and Path(str(checkpoint)).is_dir():
                 checkpoint_agrees_with_preset(str(checkpoint), preset, str(name))
             mapping = merge_preset(mapping, preset, str(name))
         elif checkpoint is not None:
-            from .hf import merge_architecture
-
             mapping = merge_architecture(mapping, str(checkpoint))
         return from_mapping(cls, mapping, "model")
 

@@ -2,11 +2,11 @@
 
 `model.architecture: qwen2.5-32b` in a recipe stands for the architecture fields of ModelConfig
 that `model.hf_checkpoint` would otherwise read from the checkpoint's config.json (config.py
-merges them; a checkpoint that is on disk must agree with the preset, hf.py checks it). Planning
+merges them; a checkpoint that is on disk must agree with the preset, hf_config.py checks it). Planning
 (memory, parallel layout, parameter counts) then needs no download.
 
 Each preset is the model's published Hugging Face config.json, cut down to the keys
-`hf.read_architecture` reads or checks, with the published values unchanged (types included:
+`hf_config.read_architecture` reads or checks, with the published values unchanged (types included:
 Qwen3 writes `rope_theta` as an integer), so the preset goes through exactly the path a real
 checkpoint does. The comment above each names the repository it is from.
 
@@ -21,7 +21,7 @@ import copy
 from typing import Any
 
 from ..config import did_you_mean
-from .hf import read_architecture
+from .hf_config import read_architecture
 
 _LLAMA31_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -75,6 +75,25 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None,
         "tie_word_embeddings": False, "rms_norm_eps": 1e-06, "hidden_act": "silu", "attention_bias": False,
         "use_sliding_window": False,
+    },
+    # Qwen/Qwen3-30B-A3B (mixture of experts: 128 experts of width 768, 8 per token, every layer sparse,
+    # normalised top-k weights; intermediate_size is the dense MLP width, which no layer uses here).
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 6144, "head_dim": 128,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rope_scaling": None,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-06, "hidden_act": "silu", "attention_bias": False,
+        "use_sliding_window": False, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+    },
+    # Qwen/Qwen3-235B-A22B (128 experts of width 1536, 8 per token, every layer sparse).
+    "qwen3-235b-a22b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 94,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "intermediate_size": 12288, "head_dim": 128,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rope_scaling": None,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-06, "hidden_act": "silu", "attention_bias": False,
+        "use_sliding_window": False, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1536,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
     },
     # meta-llama/Llama-3.1-8B (base; formerly Meta-Llama-3.1-8B). The instruct config has the same
     # values for every key here (it differs in eos_token_id, which is not read).

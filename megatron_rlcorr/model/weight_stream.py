@@ -4,16 +4,18 @@ After every optimizer step the rollout engine needs the new weights. Gathering t
 first (`weights.export_full_weights`) costs the full model in float32 on every rank: ~131 GB
 for a 32B model. `weight_buckets` instead walks the model one tensor at a time
 (`weights.iter_full_weights`: the owning pipeline stage all-gathers the tensor's TP shards and
-broadcasts it over PP), casts it to the engine's dtype and packs consecutive tensors into buckets
-of at most `bucket_bytes` (a tensor larger than that travels alone). The consumer (an engine's
-`load_weights`, a writer) takes a bucket before the next is gathered, so the extra memory of a
-rank is one bucket plus the tensor in flight (its float32 gather and the cast copy).
+broadcasts it over PP; a routed expert comes from its expert-parallel owner), casts it to the
+engine's dtype and packs consecutive tensors into buckets of at most `bucket_bytes` (a tensor
+larger than that travels alone). The consumer (an engine's `load_weights`, a writer) takes a
+bucket before the next is gathered, so the extra memory of a rank is one bucket plus the tensor
+in flight (its float32 gather and the cast copy).
 
-Collective over TP and PP like `iter_full_weights`: every rank of the model-parallel group must
-drain the whole stream, also the ranks that host no engine (they drop each bucket). Names are the
-neutral ones (`embed.weight`, `layers.{i}.q.weight`, ...), or Hugging Face's with
-`hf_names=True` (what vLLM's `load_weights` takes). A tied model's `lm_head.weight` is not sent:
-the consumer ties it.
+Collective like `iter_full_weights` (over TP and PP, and for routed experts over ETP and EP, which
+spans data-parallel ranks): every rank of the model-parallel group (with expert parallelism,
+every rank) must drain the whole stream, also the ranks that host no engine (they drop each
+bucket). Names are the neutral ones (`embed.weight`, `layers.{i}.q.weight`, ...), or Hugging
+Face's with `hf_names=True` (what vLLM's `load_weights` takes). A tied model's `lm_head.weight`
+is not sent: the consumer ties it.
 """
 from __future__ import annotations
 

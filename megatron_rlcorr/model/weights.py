@@ -35,7 +35,9 @@ start, stop)` with a slice. Every rank reads only the tensors its pipeline chunk
 its tensor-parallel slice of them, so the whole model never exists on a rank.
 
 Exporting (`iter_full_weights`) yields one full tensor at a time: its owning pipeline stage
-gathers it over TP and broadcasts it over PP. Peak extra memory is about one full tensor.
+gathers it over TP and broadcasts it over PP; a routed expert's owner (its pipeline stage and
+expert-parallel rank) gathers it over ETP and broadcasts it over EP, then PP. Peak extra memory
+is about one full tensor.
 
 Seeded initial weights: each tensor is drawn from a generator seeded by (seed, neutral name), so
 they do not depend on the layout. Distributions follow Megatron-Core: N(0, std) for embedding,
@@ -291,17 +293,31 @@ def _real_vocab_size(gpt) -> int:
 
 # ---- export: Megatron shards -> full neutral tensors -------------------------------------------
 
+def takes_part_in_export(groups: ParallelGroups) -> bool:
+    """Whether this rank must iterate iter_full_weights when one copy of the weights is wanted
+    (an export): the ranks of the first data/context-parallel replica, or every rank when the
+    experts are laid out across replicas (parallel.ep > 1, or parallel.etp neither 1 nor tp: the
+    expert groups then span data-parallel ranks)."""
+    if groups.ep_size == 1 and groups.etp_size in (1, groups.tp_size):
+        return groups.dp_rank == 0 and groups.cp_rank == 0
+    return True
+
+
 @torch.no_grad()
 def iter_full_weights(model_chunks: Sequence[Any], groups: ParallelGroups,
                       dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """(neutral name, full tensor in `dtype`) for every weight of the model, layer by layer, one
-    at a time, on every rank of the model-parallel group (lm_head.weight is not repeated
-    when embeddings are tied).
+    at a time, on every rank that iterates (lm_head.weight is not repeated when embeddings are tied).
 
-    Collective over TP (the owning stage all-gathers a tensor's shards) and PP (the owning stage
-    broadcasts it): every rank of the model-parallel group must consume the whole iterator.
-    CP/DP replicas hold the same weights and need not coordinate. Each tensor is a fresh copy on
-    the parameters' device, never an alias of a parameter.
+    Collective contract: a tensor is gathered by its owner and broadcast from it. Dense weights:
+    the first pipeline stage holding them all-gathers the shards over TP and broadcasts over PP.
+    Routed experts (held by one expert-parallel rank, split over ETP): the ranks of the owning
+    (stage, EP rank) all-gather over ETP, broadcast over EP within the stage, then over PP. So every
+    rank of each TP, ETP, EP and PP group that contains an iterating rank must consume the whole
+    iterator: with ep = 1 (and etp 1 or tp) the model-parallel group of one data/context-parallel
+    replica suffices (the others hold the same weights); with expert parallelism, which spans
+    data-parallel ranks, every rank must iterate (takes_part_in_export says which). Each tensor is
+    a fresh copy on the parameters' device, never an alias of a parameter.
     """
     first = _unwrap(model_chunks[0])
     tied, vocab_size = _is_tied(first), _real_vocab_size(first)
@@ -310,32 +326,43 @@ def iter_full_weights(model_chunks: Sequence[Any], groups: ParallelGroups,
         for slot in parameter_slots(chunk, tied):
             mine.setdefault(slot.names, (_unwrap(chunk), slot))
     device = next(first.parameters()).device
-    for names, stage in _owners(list(mine), groups):
+    for names, (stage, ep_rank, expert) in _owners([(n, slot.expert) for n, (_, slot) in mine.items()], groups):
         tensors: dict[str, torch.Tensor] = {}
-        if stage == groups.pp_rank:
+        if stage == groups.pp_rank and (not expert or ep_rank == groups.ep_rank):
             gpt, slot = mine[names]
-            full = _gather_tp(slot.param.detach(), slot.layout, groups)
-            tensors = _to_neutral(full, slot, gpt.config, groups.tp_size, vocab_size)
+            group, size = (groups.etp, groups.etp_size) if expert else (groups.tp, groups.tp_size)
+            full = _gather_tp(slot.param.detach(), slot.layout, group, size)
+            tensors = _to_neutral(full, slot, gpt.config, size, vocab_size)
         for name in names:
             if name in tensors:
                 tensor = tensors[name].to(dtype, copy=True).contiguous()
             else:
                 tensor = torch.empty(first.neutral_shapes[name], dtype=dtype, device=device)
+            if expert and groups.ep_size > 1 and stage == groups.pp_rank:
+                dist.broadcast(tensor, src=dist.get_global_rank(groups.ep, ep_rank), group=groups.ep)
             if groups.pp_size > 1:
                 dist.broadcast(tensor, src=dist.get_global_rank(groups.pp, stage), group=groups.pp)
             yield name, tensor
 
 
-def _owners(local: list[tuple[str, ...]], groups: ParallelGroups) -> list[tuple[tuple[str, ...], int]]:
-    """(slot names, the first pipeline stage holding them) over all stages, in canonical order."""
-    per_stage = [local]
+def _owners(local: list[tuple[tuple[str, ...], bool]],
+            groups: ParallelGroups) -> list[tuple[tuple[str, ...], tuple[int, int, bool]]]:
+    """(slot names, (the first pipeline stage holding them, the first expert-parallel rank of that
+    stage holding them, whether they are a routed expert's)) over all stages and expert-parallel
+    ranks, in canonical order; `local` is this rank's (slot names, expert) list."""
+    per_ep = [local]
+    if groups.ep_size > 1:  # each EP rank of a stage holds other experts
+        per_ep = [None] * groups.ep_size
+        dist.all_gather_object(per_ep, local, group=groups.ep)
+    per_stage = [per_ep]
     if groups.pp_size > 1:
         per_stage = [None] * groups.pp_size
-        dist.all_gather_object(per_stage, local, group=groups.pp)
-    owner: dict[tuple[str, ...], int] = {}
-    for stage, names_list in enumerate(per_stage):
-        for names in names_list:
-            owner.setdefault(tuple(names), stage)
+        dist.all_gather_object(per_stage, per_ep, group=groups.pp)
+    owner: dict[tuple[str, ...], tuple[int, int, bool]] = {}
+    for stage, stage_lists in enumerate(per_stage):
+        for ep_rank, slots in enumerate(stage_lists):
+            for names, expert in slots:
+                owner.setdefault(tuple(names), (stage, ep_rank, expert))
     return sorted(owner.items(), key=lambda item: _neutral_order(item[0][0]))
 
 
@@ -356,16 +383,17 @@ def export_full_weights(model_chunks: Sequence[Any], groups: ParallelGroups) -> 
 SPLIT_DIM = {"vocab": 0, "qkv": 0, "gate_up": 0, "split_input": 1}
 
 
-def _gather_tp(shard: torch.Tensor, layout: str, groups: ParallelGroups) -> torch.Tensor:
-    if layout == "replicated" or groups.tp_size == 1:
+def _gather_tp(shard: torch.Tensor, layout: str, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """The full Megatron parameter from its shards over `group` (TP, or ETP for a routed expert)."""
+    if layout == "replicated" or size == 1:
         return shard
-    parts = [torch.empty_like(shard) for _ in range(groups.tp_size)]
-    dist.all_gather(parts, shard.contiguous(), group=groups.tp)
+    parts = [torch.empty_like(shard) for _ in range(size)]
+    dist.all_gather(parts, shard.contiguous(), group=group)
     return torch.cat(parts, dim=SPLIT_DIM[layout])
 
 
 def _to_neutral(full: torch.Tensor, slot: Slot, config, tp_size: int, vocab_size: int) -> dict[str, torch.Tensor]:
-    """Neutral tensors held by a TP-gathered Megatron parameter."""
+    """Neutral tensors held by a gathered Megatron parameter (`tp_size`: the ranks it was split over)."""
     if slot.layout == "vocab":
         return {slot.names[0]: full[:vocab_size]}
     if slot.layout == "qkv":

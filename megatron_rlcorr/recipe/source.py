@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 import yaml
 
 from ..model.architecture import DecoderShape
-from ..model.hf import CONFIG_FILE
+from ..model.hf_config import CONFIG_FILE
 from ..training import checkpoint
 from .recipe import Recipe, parse_recipe
 from .tree import apply_overrides, read_tree

@@ -289,7 +289,7 @@ def test_parameters_per_rank_equal_the_formula(measured):
 def _hf_parameter_count(model_cfg) -> int:
     import transformers
 
-    from megatron_rlcorr.model.hf import config_for
+    from megatron_rlcorr.model.hf_config import config_for
 
     config = config_for(model_cfg.decoder_shape, model_cfg.max_position_embeddings, torch.float32)
     hf_config = transformers.AutoConfig.for_model(**config)

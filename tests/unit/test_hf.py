@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 from megatron_rlcorr.model.config import ModelConfig
-from megatron_rlcorr.model.hf import (HF_TO_NEUTRAL, HFCheckpoint, ShardedWriter, config_for, hf_name, neutral_name,
-                                      plan_shards, read_architecture)
+from megatron_rlcorr.model.hf import HF_TO_NEUTRAL, HFCheckpoint, ShardedWriter, hf_name, neutral_name, plan_shards
+from megatron_rlcorr.model.hf_config import config_for, read_architecture
 from megatron_rlcorr.model.reference import reference_forward
 from megatron_rlcorr.model.weights import neutral_weight_shapes
 from megatron_rlcorr.rollout import EmbeddedEngine
@@ -88,7 +88,7 @@ def test_transformers_5_style_configs_read_the_same():
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported; supported: qwen2 (Qwen2, Qwen2.5), qwen3"),
-    ({"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not supported"),
+    ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported"),
     ({"num_experts": 64}, "mixture of experts"),
     ({"use_sliding_window": True}, "sliding-window attention"),
     ({"layer_types": ["sliding_attention"] * 64}, "sliding-window attention"),
@@ -152,7 +152,7 @@ def test_every_neutral_name_has_a_hugging_face_name_and_back():
     assert all(neutral_name(hf_name(n)) == n for n in names)
     assert hf_name("layers.2.q_norm.weight") == "model.layers.2.self_attn.q_norm.weight"
     assert neutral_name("model.layers.0.self_attn.rotary_emb.inv_freq") is None
-    assert len(HF_TO_NEUTRAL) == 3 + 14
+    assert len(HF_TO_NEUTRAL) == 3 + 14 + 8  # + router, expert gate/up/down, shared gate/up/down and its gate
 
 
 def test_sliced_reads_equal_slices_of_the_full_tensor(checkpoints):

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from megatron_rlcorr.model.architecture import DecoderShape
-from megatron_rlcorr.model.hf import read_architecture
+from megatron_rlcorr.model.architecture import DecoderShape, MoeShape
+from megatron_rlcorr.model.hf_config import read_architecture
 from megatron_rlcorr.model.presets import ARCHITECTURES, preset_architecture, preset_config
 
 SHAPE_FIELDS = [f.name for f in dataclasses.fields(DecoderShape)]
@@ -40,12 +40,23 @@ PUBLISHED_PARAMETERS = {
     # meta-llama/Llama-3.1-70B: 70,553,706,496, the HF API total of meta-llama/Llama-3.3-70B(-Instruct),
     # whose config has the same shapes as Llama-3.1-70B's (no total quoted for the 3.1 repo itself).
     "llama-3.1-70b": 70_553_706_496,
+    # Qwen/Qwen3-30B-A3B: 30,532,122,624 (llama.cpp's general.parameter_count of its GGUF conversions,
+    # which keep every tensor; the model card's "30.5B").
+    "qwen3-30b-a3b": 30_532_122_624,
+    # Qwen/Qwen3-235B-A22B: {"BF16": 235093634560}, HF API safetensors parameters (keras-hub's
+    # qwen3_moe_235b_a22b_en preset has the same).
+    "qwen3-235b-a22b": 235_093_634_560,
 }
+# Active parameters per token as the model cards round them ("A3B": 3.3B activated; "A22B": 22B).
+PUBLISHED_ACTIVE = {"qwen3-30b-a3b": 3.3e9, "qwen3-235b-a22b": 22e9}
+# The cards give one or two significant digits: 3.3B stands for 3.25..3.35B, so 2% either side.
+ACTIVE_TOLERANCE = 0.02
 
 
 def _shape(name: str) -> DecoderShape:
     arch = preset_architecture(name)
-    return DecoderShape(**{key: arch[key] for key in SHAPE_FIELDS})
+    moe = arch["moe"] and MoeShape(**arch["moe"])
+    return DecoderShape(**{key: arch[key] for key in SHAPE_FIELDS if key != "moe"}, moe=moe)
 
 
 def _count_from_config(config: dict) -> int:
@@ -54,7 +65,7 @@ def _count_from_config(config: dict) -> int:
     h, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
     heads, kv_heads, ffn = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
     head_dim = config.get("head_dim") or h // heads
-    qwen2, qwen3 = config["model_type"] == "qwen2", config["model_type"] == "qwen3"
+    qwen2, qwen3 = config["model_type"] == "qwen2", config["model_type"] in ("qwen3", "qwen3_moe")
     tensors = {
         "self_attn.q_proj.weight": heads * head_dim * h,
         "self_attn.k_proj.weight": kv_heads * head_dim * h,
@@ -71,6 +82,12 @@ def _count_from_config(config: dict) -> int:
         "input_layernorm.weight": h,
         "post_attention_layernorm.weight": h,
     }
+    if config["model_type"] == "qwen3_moe":  # these presets: every layer sparse, no shared expert
+        assert config["decoder_sparse_step"] == 1 and not config["mlp_only_layers"]
+        experts, moe_ffn = config["num_experts"], config["moe_intermediate_size"]
+        del tensors["mlp.gate_proj.weight"], tensors["mlp.up_proj.weight"], tensors["mlp.down_proj.weight"]
+        tensors["mlp.gate.weight"] = experts * h
+        tensors["mlp.experts.{e}.gate_proj|up_proj|down_proj.weight"] = experts * 3 * moe_ffn * h
     embed_tokens, norm = vocab * h, h
     lm_head = 0 if config["tie_word_embeddings"] else vocab * h
     return embed_tokens + layers * sum(tensors.values()) + norm + lm_head
@@ -105,12 +122,29 @@ def test_every_preset_reads_as_a_checkpoint_and_builds_a_decoder_shape(name):
     assert shape.qk_layernorm == name.startswith("qwen3")
     assert shape.rope_scaling == name.startswith("llama-3.1")
     assert arch["max_position_embeddings"] == config["max_position_embeddings"]
+    assert (shape.moe is not None) == (config["model_type"] == "qwen3_moe")
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_parameter_count_is_the_published_one(name):
     assert _shape(name).parameter_count == PUBLISHED_PARAMETERS[name]
     assert _count_from_config(preset_config(name)) == PUBLISHED_PARAMETERS[name]
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_ACTIVE))
+def test_moe_presets_active_parameters_are_the_published_ones(name):
+    shape, config = _shape(name), preset_config(name)
+    active = shape.active_parameter_count
+    assert abs(active / PUBLISHED_ACTIVE[name] - 1) < ACTIVE_TOLERANCE, (name, active)
+    # every layer holds 8 of 128 experts' worth of active expert weights; the rest is shared by both counts
+    inactive_experts = config["num_experts"] - config["num_experts_per_tok"]
+    expert = 3 * config["hidden_size"] * config["moe_intermediate_size"]
+    assert shape.parameter_count - active == config["num_hidden_layers"] * inactive_experts * expert
+    assert shape.moe_layers == tuple(range(config["num_hidden_layers"]))
+    moe = shape.moe
+    assert (moe.num_experts, moe.router_topk, moe.pre_softmax) == (128, 8, False)
+    assert moe.shared_expert_ffn_hidden_size is None
+    assert shape.head_dim == 128 != shape.hidden_size // shape.num_attention_heads
 
 
 def test_qwen25_32b_counted_by_hand():
