@@ -133,28 +133,42 @@ def _settings_class(annotation: Any) -> type | None:
 # ---- reading a class's source ----
 
 def read_class(cls: type) -> tuple[str, tuple[FieldDoc, ...]]:
-    """(docstring, fields) of a dataclass, read from its source with ast and tokenize."""
+    """(docstring, fields) of a dataclass, read from its source with ast and tokenize; a field
+    inherited from a dataclass base (MoeConfig's from MoeShape) is read from the base's source."""
+    docstring, _ = _class_source(cls)
+    wanted = [f.name for f in _init_fields(cls)]
+    found: dict[str, FieldDoc] = {}
+    for klass in cls.__mro__:
+        if dataclasses.is_dataclass(klass):
+            for doc in _declared_fields(klass):
+                if doc.name in wanted:
+                    found.setdefault(doc.name, doc)
+    missing = set(wanted) - set(found)
+    if missing:  # fields made up elsewhere: nothing to read
+        raise ValueError(f"{cls.__qualname__}: fields {sorted(missing)} are not declared in its class body")
+    return docstring, tuple(found[name] for name in wanted)
+
+
+def _class_source(cls: type) -> tuple[str, tuple[ast.ClassDef, str]]:
     lines, _ = inspect.getsourcelines(cls)
     source = textwrap.dedent("".join(lines))
     node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef))
-    docstring = ast.get_docstring(node) or ""
+    return ast.get_docstring(node) or "", (node, source)
+
+
+def _declared_fields(cls: type) -> list[FieldDoc]:
+    """The annotated fields declared in the body of `cls` itself, with their comments."""
+    _, (node, source) = _class_source(cls)
     trailing, standalone = _comments(source)
-    wanted = {f.name for f in _init_fields(cls)}
     fields = []
     for stmt in node.body:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             continue
-        name = stmt.target.id
-        if name not in wanted:  # ClassVar, init=False
-            continue
         annotation = ast.get_source_segment(source, stmt.annotation)
         default = None if stmt.value is None else _default_text(ast.get_source_segment(source, stmt.value))
-        fields.append(FieldDoc(name, " ".join(annotation.split()), default,
+        fields.append(FieldDoc(stmt.target.id, " ".join(annotation.split()), default,
                                _field_comment(stmt, trailing, standalone), None))
-    missing = wanted - {f.name for f in fields}
-    if missing:  # fields inherited or made up elsewhere: nothing to read here
-        raise ValueError(f"{cls.__qualname__}: fields {sorted(missing)} are not declared in its class body")
-    return docstring, tuple(fields)
+    return fields
 
 
 def _comments(source: str) -> tuple[dict[int, tuple[int, str]], dict[int, tuple[int, str]]]:
