@@ -3,9 +3,10 @@
 Runs anywhere (no GPU, no checkpoint, no data: a recipe with `model.architecture` is planned from
 the preset). It validates the recipe for a launch of N x G ranks (`Recipe.check_layout(here=
 False)`: layout, batch sizes, sequence lengths, rollout settings; each failure names the setting
-and values that work), then prints the parameter count, the estimated memory per GPU
-(recipe/memory.py) against the GPU's, and the launch command; `--json` prints the same as one
-object; `--search` lists the layouts that fit, cheapest communication first
+and values that work), then prints the parameter count (total and, for a mixture-of-experts
+model, active per token and the routed experts of the most-loaded GPU), the estimated memory
+per GPU (recipe/memory.py) against the GPU's, and the launch command; `--json` prints the same
+as one object; `--search` lists the layouts that fit, cheapest communication first
 (recipe/layout_search.py).
 
 Exit codes: 0 the layout validates and fits, 1 it validates but does not fit (or --search found
@@ -38,7 +39,7 @@ def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_
     return {
         "recipe": str(path), "overrides": list(overrides), "nodes": nodes, "gpus_per_node": gpus_per_node,
         "world_size": world, "gpu_memory_gib": gpu_memory_gib,
-        "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "vpp": p.vpp, "dp": dp,
+        "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "vpp": p.vpp, "dp": dp, "ep": p.ep, "etp": p.etp,
                    "sequence_parallel": p.sequence_parallel,
                    "recompute": None if model.recompute is None else model.recompute.granularity,
                    "distributed_optimizer": recipe.optim.use_distributed_optimizer,
@@ -47,7 +48,13 @@ def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_
                    "rollout_tensor_parallel_size": recipe.rollout.tensor_parallel_size},
         "padded_vocab_size": counts.padded_vocab_size,
         "params_total": counts.total,
+        "params_active": counts.active,
         "params_per_gpu_max": counts.per_gpu_max,
+        "expert_params_per_gpu_max": max(counts.experts_per_stage),
+        "moe": None if model.moe is None else {
+            "num_experts": model.moe.num_experts, "router_topk": model.moe.router_topk,
+            "moe_layers": len(model.decoder_shape.moe_layers),
+            "experts_per_ep_rank": model.moe.num_experts // p.ep},
         "memory_gib_per_gpu": memory.gib(),
         "phases_gib_per_gpu": memory.phases_gib(),
         "offload": {"params": model.offload_params, "grads": model.offload_grads,
@@ -96,12 +103,13 @@ def format_report(report: dict[str, Any]) -> str:
         f"plan: {report['recipe']} on {report['nodes']} x {report['gpus_per_node']} GPUs "
         f"({report['gpu_memory_gib']:g} GiB each)",
         f"layout: tp={layout['tp']} pp={layout['pp']} cp={layout['cp']} vpp={layout['vpp']} dp={layout['dp']} "
+        + (f"ep={layout['ep']} etp={layout['etp']} " if report["moe"] else "") +
         f"sequence_parallel={layout['sequence_parallel']} recompute={recompute} "
         f"distributed_optimizer={layout['distributed_optimizer']}",
         f"  micro-batch: {layout['micro_batch_tokens']} tokens per rank; rollout: {layout['rollout_engine']} "
         f"with tensor_parallel_size {layout['rollout_tensor_parallel_size']}; "
         f"padded vocabulary {report['padded_vocab_size']}",
-        f"parameters: {report['params_total']:,} in total, {report['params_per_gpu_max']:,} on the most-loaded GPU",
+        _parameters_line(report),
         f"memory per GPU (GiB, estimate) on the most-loaded pipeline stage, {report['most_loaded_stage']} of "
         f"0..{layout['pp'] - 1}:",
     ]
@@ -126,12 +134,24 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _parameters_line(report: dict[str, Any]) -> str:
+    total, most = report["params_total"], report["params_per_gpu_max"]
+    moe, layout = report["moe"], report["layout"]
+    if moe is None:
+        return f"parameters: {total:,} in total, {most:,} on the most-loaded GPU"
+    return (f"parameters: {total:,} in total, {report['params_active']:,} active per token (top-{moe['router_topk']} "
+            f"of {moe['num_experts']} experts in {moe['moe_layers']} MoE layers), {most:,} on the most-loaded GPU "
+            f"({report['expert_params_per_gpu_max']:,} of them routed experts: {moe['experts_per_ep_rank']} per MoE "
+            f"layer with ep={layout['ep']}, each split over etp={layout['etp']})")
+
+
 def format_search(candidates: list, *, limit: int = 10) -> str:
     if not candidates:
         return "no layout of the search space fits: more GPUs, a shorter token budget, or a smaller engine share"
     lines = ["layouts that fit, cheapest first (estimated communication + bubble + recompute s/step, memory GiB/GPU):"]
     for c in candidates[:limit]:
-        lines.append(f"  tp={c.tp} pp={c.pp} cp={c.cp} dp={c.dp} recompute={c.recompute:<9} "
+        experts = "" if c.ep is None else f"ep={c.ep} "
+        lines.append(f"  tp={c.tp} pp={c.pp} cp={c.cp} {experts}dp={c.dp} recompute={c.recompute:<9} "
                      f"~{c.seconds:8.2f} s  {c.memory.total / GiB:6.1f} GiB   " + " ".join(map(shlex.quote, c.overrides)))
     if len(candidates) > limit:
         lines.append(f"  ... and {len(candidates) - limit} more")
@@ -151,8 +171,8 @@ def plan_command(path: str, overrides: Sequence[str], *, nodes: int, gpus_per_no
             candidates = search_layouts(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
                                         gpu_memory_gib=gpu_memory_gib)
             if as_json:
-                print(json.dumps([{"overrides": c.overrides, "tp": c.tp, "pp": c.pp, "cp": c.cp, "dp": c.dp,
-                                   "recompute": c.recompute, "seconds_estimate": round(c.seconds, 3),
+                print(json.dumps([{"overrides": c.overrides, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep or 1,
+                                   "dp": c.dp, "recompute": c.recompute, "seconds_estimate": round(c.seconds, 3),
                                    "memory_gib_per_gpu": c.memory.gib()} for c in candidates], indent=1))
             else:
                 print(format_search(candidates))

@@ -29,10 +29,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(scope="session")
-def tiny_hf(tmp_path_factory):
-    """tools/make_tiny_hf.py's Qwen2 checkpoint (`model/`) and DAPO parquets (`data/train.parquet`, `data/val.parquet`),
-    built once per test session (about 10-20 s)."""
+def _make_tiny_hf(tmp_path_factory, name: str, *flags: str):
     import importlib.util
     from pathlib import Path
 
@@ -40,6 +37,20 @@ def tiny_hf(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("make_tiny_hf", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    out = tmp_path_factory.mktemp("tiny_hf")
-    assert tool.main(["--out", str(out), "--seed", "0"]) == 0
+    out = tmp_path_factory.mktemp(name)
+    assert tool.main(["--out", str(out), "--seed", "0", *flags]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """tools/make_tiny_hf.py's Qwen2 checkpoint (`model/`) and DAPO parquets (`data/train.parquet`, `data/val.parquet`),
+    built once per test session (about 10-20 s)."""
+    return _make_tiny_hf(tmp_path_factory, "tiny_hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_moe(tmp_path_factory):
+    """tools/make_tiny_hf.py --moe: its Qwen3-MoE checkpoint (`model/`: layer 0 dense, layers 1-2 with 8 experts,
+    top-2) and the same parquets as `tiny_hf`, built once per test session (about 25 s of CPU)."""
+    return _make_tiny_hf(tmp_path_factory, "tiny_hf_moe", "--moe")

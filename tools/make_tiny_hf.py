@@ -1,6 +1,6 @@
 """Make the demo's tiny Hugging Face checkpoint and DAPO-format dataset, locally and without a download.
 
-    python tools/make_tiny_hf.py --out DIR [--seed 0] [--force]
+    python tools/make_tiny_hf.py --out DIR [--seed 0] [--force] [--moe]
 
 writes
 - DIR/model/: a Qwen2ForCausalLM checkpoint (config.json, model.safetensors, generation_config.json)
@@ -15,6 +15,12 @@ writes
 - DIR/manifest.json, written last: what was made, with which seed, and the warm-up's accuracy.
 Run again without --force, it only reports what DIR already holds (well under a second), so
 tools/demo.sh can call it every time.
+
+--moe writes a Qwen3-MoE checkpoint instead (Qwen3MoeForCausalLM, MOE_SIZES: layer 0 keeps a dense
+MLP (mlp_only_layers), the others have MOE_SIZES' experts of which each token uses 2, weighted by
+the softmax over its top-2 router logits (norm_topk_prob)), with the same tokenizer, dataset and
+warm-up: the evidence model of rollout routing replay (recipes/tiny_hf_moe_cpu.yaml). Give it its
+own DIR (runs/tiny_hf_moe_files); a DIR holding the other kind is refused without --force.
 
 The tokenizer is a small BPE trained here with the `tokenizers` library on the task's chat text,
 through Qwen2's own pipeline (NFC, Qwen2's pre-tokenizer regex, byte-level pieces): transformers 5
@@ -65,6 +71,10 @@ ALPHABET = string.printable.replace("\x0b", "").replace("\x0c", "")
 VOCAB_LIMIT = 256  # the trainer stops earlier, when every pair of the small corpus is merged
 MODEL_SIZES = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "max_position_embeddings": 128}
+# --moe: Qwen3-MoE in miniature (Qwen3's per-head q/k norms, no q/k/v biases, head_dim explicit): a dense
+# first layer of MODEL_SIZES' MLP, then MoE layers of 8 experts of width 64, 2 per token
+MOE_SIZES = {**MODEL_SIZES, "num_hidden_layers": 3, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 64, "mlp_only_layers": [0], "decoder_sparse_step": 1, "norm_topk_prob": True}
 QUESTION = "What is {a}+{b}? Reply with Answer: <sum>"
 # verl's default reward routing sends data_source "math_dapo" to the same DAPO verifier the demo uses.
 DATA_SOURCE = "math_dapo"
@@ -211,14 +221,16 @@ def write_parquet(rows: list[dict], path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Model
-def model_config(tokenizer):
-    from transformers import Qwen2Config
+def model_config(tokenizer, moe: bool = False):
+    """Qwen2Config of MODEL_SIZES, or with `moe` Qwen3MoeConfig of MOE_SIZES; the rest shared."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
-    return Qwen2Config(vocab_size=len(tokenizer), **MODEL_SIZES, tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                       rms_norm_eps=1e-6, hidden_act="silu", dtype="float32",
-                       bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id)
+    config_class, sizes = (Qwen3MoeConfig, MOE_SIZES) if moe else (Qwen2Config, MODEL_SIZES)
+    return config_class(vocab_size=len(tokenizer), **sizes, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        rms_norm_eps=1e-6, hidden_act="silu", dtype="float32",
+                        bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
 
 
 def generation_config(tokenizer):
@@ -273,14 +285,15 @@ def warm_up(model, tokenizer, rows: list[dict]) -> tuple[int, float]:
     return step, expected
 
 
-def make_model(out_dir: str | Path | None, tokenizer, seed: int, rows: list[dict] | None = None):
-    """Random Qwen2 from the seed, warmed up on rows (the training split of that seed by default); saved when
-    out_dir is given.
+def make_model(out_dir: str | Path | None, tokenizer, seed: int, rows: list[dict] | None = None,
+               moe: bool = False):
+    """Random Qwen2 (with `moe`: Qwen3-MoE) from the seed, warmed up on rows (the training split of that
+    seed by default); saved when out_dir is given.
 
     Returns (model, warm-up steps, expected accuracy when the warm-up stopped).
     """
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM, Qwen3MoeForCausalLM
 
     rows = split_rows(dataset_rows(seed))[0] if rows is None else rows
     threads = torch.get_num_threads()
@@ -290,7 +303,7 @@ def make_model(out_dir: str | Path | None, tokenizer, seed: int, rows: list[dict
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = Qwen2ForCausalLM(model_config(tokenizer))
+            model = (Qwen3MoeForCausalLM if moe else Qwen2ForCausalLM)(model_config(tokenizer, moe))
             steps, expected = warm_up(model, tokenizer, rows)
     finally:
         torch.set_num_threads(threads)
@@ -344,7 +357,7 @@ def is_complete(out: Path) -> bool:
         (out / "model" / name).is_file() for name in MODEL_FILES)
 
 
-def build(out: Path, seed: int) -> dict:
+def build(out: Path, seed: int, moe: bool = False) -> dict:
     """Write everything under out (model/, data/, then the manifest); return the manifest."""
     from transformers.utils import logging as hf_logging
 
@@ -357,11 +370,12 @@ def build(out: Path, seed: int) -> dict:
             stale.unlink()
     rows, val_rows = make_dataset(out, seed)
     tokenizer = make_tokenizer(out / "model")
-    model, steps, expected = make_model(out / "model", tokenizer, seed, rows)
+    model, steps, expected = make_model(out / "model", tokenizer, seed, rows, moe)
     accuracy = measure_accuracy(model, tokenizer, rows, ACCURACY_SAMPLES, seed)
     val_accuracy = measure_accuracy(model, tokenizer, val_rows, ACCURACY_SAMPLES, seed)
     manifest = {
-        "seed": seed, "vocab_size": len(tokenizer), **MODEL_SIZES,
+        "seed": seed, "model_type": model.config.model_type, "vocab_size": len(tokenizer),
+        **(MOE_SIZES if moe else MODEL_SIZES),
         "parameters": sum(p.numel() for p in model.parameters()), "rows": len(rows), "val_rows": len(val_rows),
         "warmup": {"steps": steps, "lr": WARMUP_LR, "target": WARMUP_TARGET, "expected_accuracy": round(expected, 4)},
         "sampled_accuracy": {"samples": ACCURACY_SAMPLES, "temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS,
@@ -372,11 +386,19 @@ def build(out: Path, seed: int) -> dict:
     return manifest
 
 
+def _model_type(manifest: dict) -> str:
+    return manifest.get("model_type", "qwen2")  # manifests written before --moe existed are Qwen2's
+
+
 def _report(out: Path, manifest: dict) -> str:
     sampled = manifest["sampled_accuracy"]
+    experts = (f", {manifest['num_experts']} experts top-{manifest['num_experts_per_tok']} in layers "
+               f"{manifest['mlp_only_layers'][-1] + 1}..{manifest['num_hidden_layers'] - 1}"
+               if _model_type(manifest) == "qwen3_moe" else "")
     return "\n".join([
-        (f"model:    {out / 'model'} (Qwen2, vocab {manifest['vocab_size']}, hidden {manifest['hidden_size']}, "
-         f"{manifest['num_hidden_layers']} layers, {manifest['parameters']:,} parameters)"),
+        (f"model:    {out / 'model'} ({_model_type(manifest)}, vocab {manifest['vocab_size']}, hidden "
+         f"{manifest['hidden_size']}, {manifest['num_hidden_layers']} layers{experts}, {manifest['parameters']:,} "
+         "parameters)"),
         f"data:     {out / DATA_FILE} ({manifest['rows']} rows, e.g. {question(7, 5)!r})",
         f"held out: {out / VAL_FILE} ({manifest['val_rows']} rows, the validation split)",
         (f"warm-up:  {manifest['warmup']['steps']} AdamW steps (seed {manifest['seed']}) on the training split; "
@@ -390,16 +412,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="directory for model/, data/ and manifest.json")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rewrite even when --out already holds the files")
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE checkpoint (MOE_SIZES) instead of Qwen2")
     args = parser.parse_args(argv)
     if is_complete(args.out) and not args.force:
         manifest = json.loads((args.out / MANIFEST).read_text())
         if manifest["seed"] != args.seed:
             parser.error(f"{args.out} holds the files of seed {manifest['seed']}; add --force to rebuild "
                          f"them with seed {args.seed}")
+        wanted = "qwen3_moe" if args.moe else "qwen2"
+        if _model_type(manifest) != wanted:
+            parser.error(f"{args.out} holds a {_model_type(manifest)} checkpoint; add --force to rebuild it as "
+                         f"{wanted}" + ("" if args.moe else " (add --moe for the Qwen3-MoE one)") + ", or give "
+                         "each its own --out")
         print(f"{args.out} already holds the tiny checkpoint and dataset (--force rewrites them)")
         print(_report(args.out, manifest))
         return 0
-    manifest = build(args.out, args.seed)
+    manifest = build(args.out, args.seed, args.moe)
     print(f"wrote {args.out} in {manifest['seconds']} s")
     print(_report(args.out, manifest))
     return 0

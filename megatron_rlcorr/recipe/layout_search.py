@@ -2,10 +2,12 @@
 
 Candidates: TP over the divisors of the heads and K/V groups up to one node's GPUs (TP's
 per-layer collectives stay on NVLink), sequence parallelism whenever TP > 1, PP over the
-divisors of the layers, CP of 1, 2, 4 or 8, and no, selective (MLP + norms) or full (one layer
-per chunk) recomputation; the recipe's other settings stay. A candidate is kept when the whole
-recipe validates for the launch (`Recipe.check_layout(here=False)`) and its estimated memory
-(memory.py) fits the GPU with the headroom `plan` keeps (plan.HEADROOM).
+divisors of the layers, CP of 1, 2, 4 or 8, with a MoE model (model.moe) EP over the divisors of
+the experts that divide a stage's ranks (expert TP 1: each expert whole on its rank), and no,
+selective (MLP + norms) or full (one layer per chunk) recomputation; the recipe's other settings
+stay. A candidate is kept when the whole recipe validates for the launch
+(`Recipe.check_layout(here=False)`) and its estimated memory (memory.py) fits the GPU with the
+headroom `plan` keeps (plan.HEADROOM).
 
 Ranking: an estimate of the seconds per RL step spent waiting on other GPUs, from bytes moved and
 link bandwidth, plus the pipeline bubble and recomputation as time. The constants below are
@@ -15,23 +17,30 @@ estimate orders layouts, it does not predict step times. Per GPU, per optimizer 
   backward, each moving 2h bytes per token times (t-1)/t: 16h (t-1)/t bytes per token per layer.
 - CP: each rank sends its K and V (and receives dK, dV): 8 kv (cp-1) / t bytes per token per layer.
 - PP: 4h / t bytes per token per stage boundary (activation forward, gradient backward).
+- EP: each MoE layer sends every token's k routed copies to their experts' ranks and back (the
+  all-to-all dispatch and combine), forward and backward: 8 k h (e-1)/e bytes per token of the
+  rank (its 1/t share with SP), e = EP.
 - DP: reduce-scatter of fp32 gradients and all-gather of bf16 weights, 6 (d-1)/d bytes per
-  parameter of the rank, d = DP x CP.
-- a group's link is NVLink when its ranks fit in one node (Megatron orders ranks TP, CP, DP, PP).
-- compute: 6 x parameters x tokens FLOPs at SUSTAINED_FLOPS per GPU; recomputation adds the forward
-  of what it recomputes (a third of the whole, or of the MLP's share with selective `mlp`), and the
-  pipeline bubble (pp - 1) / (micro-batches x vpp) of the compute.
+  parameter of the rank, d = DP x CP; for routed-expert parameters d is the expert-data-parallel
+  size tp x cp x dp / (ep x etp).
+- a group's link is NVLink when its ranks fit in one node (Megatron orders ranks TP, CP, DP, PP;
+  the expert groups ETP, EP, expert-DP within a stage).
+- compute: 6 x active parameters (a MoE model's top-k experts, not all) x tokens FLOPs at
+  SUSTAINED_FLOPS per GPU; recomputation adds the forward of what it recomputes (a third of the
+  whole, or of the dense MLPs' share with selective `mlp`), and the pipeline bubble
+  (pp - 1) / (micro-batches x vpp) of the compute.
 """
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .memory import (GiB, MemoryEstimate, estimate_memory, micro_batch_tokens, parameter_counts, sequence_tokens,
-                     usable_bytes)
+from .memory import (GiB, MemoryEstimate, estimate_memory, expert_optimizer_group_size, micro_batch_tokens,
+                     parameter_counts, sequence_tokens, usable_bytes)
 from .recipe import Recipe, divisors, parse_recipe
 from .tree import apply_overrides, read_tree
 
@@ -63,16 +72,19 @@ class Candidate:
     dp: int
     memory: MemoryEstimate
     seconds: float          # the ranking estimate (module docstring)
+    ep: int | None = None   # expert parallelism of a MoE model; None: a dense model (no ep/etp overrides)
 
     @property
     def overrides(self) -> list[str]:
-        return layout_overrides(self.tp, self.pp, self.cp, self.recompute)
+        return layout_overrides(self.tp, self.pp, self.cp, self.recompute, self.ep)
 
 
-def layout_overrides(tp: int, pp: int, cp: int, recompute: str) -> list[str]:
-    """The recipe overrides of one candidate layout (sequence parallelism whenever TP > 1)."""
+def layout_overrides(tp: int, pp: int, cp: int, recompute: str, ep: int | None = None) -> list[str]:
+    """The recipe overrides of one candidate layout (sequence parallelism whenever TP > 1; with `ep`,
+    expert parallelism with expert TP 1)."""
+    experts = [] if ep is None else [f"parallel.ep={ep}", "parallel.etp=1"]
     return [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", "parallel.vpp=null",
-            f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}", *RECOMPUTE_CHOICES[recompute]]
+            f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}", *experts, *RECOMPUTE_CHOICES[recompute]]
 
 
 def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int,
@@ -87,15 +99,17 @@ def search_tree(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_
     base = parse_recipe(tree)
     world = nodes * gpus_per_node
     heads_and_groups = math.gcd(base.model.num_attention_heads, base.model.num_query_groups)
+    moe = base.model.moe
     found = []
     for tp in (t for t in divisors(heads_and_groups) if t <= gpus_per_node):
         for pp in divisors(base.model.num_layers):
             for cp in (1, 2, 4, 8):
                 if world % (tp * pp * cp):
                     continue
-                for recompute in RECOMPUTE_CHOICES:
+                eps = [None] if moe is None else [e for e in divisors(moe.num_experts) if (world // pp) % e == 0]
+                for ep, recompute in itertools.product(eps, RECOMPUTE_CHOICES):
                     try:
-                        layout = layout_overrides(tp, pp, cp, recompute)
+                        layout = layout_overrides(tp, pp, cp, recompute, ep)
                         recipe = parse_recipe(apply_overrides(copy.deepcopy(dict(tree)), layout))
                         dp = recipe.check_layout(world, here=False)
                     except ValueError:
@@ -103,14 +117,14 @@ def search_tree(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_
                     memory = estimate_memory(recipe, world, gpu_memory_gib * GiB)
                     if memory.total <= usable_bytes(gpu_memory_gib):
                         seconds = step_seconds(recipe, world, gpus_per_node)
-                        found.append(Candidate(tp, pp, cp, recompute, dp, memory, seconds))
-    return sorted(found, key=lambda c: (c.seconds, c.tp * c.pp * c.cp))
+                        found.append(Candidate(tp, pp, cp, recompute, dp, memory, seconds, ep))
+    return sorted(found, key=lambda c: (c.seconds, c.tp * c.pp * c.cp, c.ep or 1))
 
 
 def step_seconds(recipe: Recipe, world: int, gpus_per_node: int) -> float:
     """The ranking estimate of communication, bubble and recomputation time per RL step."""
     model, parallel, shape = recipe.model, recipe.parallel, recipe.model.decoder_shape
-    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
+    tp, pp, cp, ep = parallel.tp, parallel.pp, parallel.cp, parallel.ep
     dp = world // (tp * pp * cp)
     h, kv = shape.hidden_size, shape.num_query_groups * shape.head_dim
     step_tokens = recipe.data.prompts_per_step * recipe.rollout.n * sequence_tokens(recipe)
@@ -124,10 +138,18 @@ def step_seconds(recipe: Recipe, world: int, gpus_per_node: int) -> float:
     seconds = tokens * layers * 16 * h * (tp - 1) / tp / link(tp)
     seconds += tokens * layers * 8 * kv * (cp - 1) / tp / link(tp * cp)
     seconds += tokens * (4 * h / tp) * (pp - 1) / pp / link(world) if pp > 1 else 0.0
-    params = parameter_counts(model, parallel).per_gpu_max
-    d = dp * cp
-    seconds += mini_batches * params * 6 * (d - 1) / d / link(tp * cp * dp)
-    compute = 6 * shape.parameter_count * step_tokens / (world * SUSTAINED_FLOPS)
+    if shape.moe is not None:
+        routed_tokens = tokens / (tp if parallel.sequence_parallel else 1)
+        moe_layers = len(shape.moe_layers) / pp
+        seconds += (routed_tokens * moe_layers * 8 * shape.moe.router_topk * h * (ep - 1) / ep
+                    / link(ep * parallel.etp))
+    counts = parameter_counts(model, parallel)
+    stage = max(range(pp), key=lambda i: counts.per_stage[i])
+    experts = counts.experts_per_stage[stage]
+    d, expert_d = dp * cp, expert_optimizer_group_size(parallel, world)
+    seconds += mini_batches * (counts.per_stage[stage] - experts) * 6 * (d - 1) / d / link(tp * cp * dp)
+    seconds += mini_batches * experts * 6 * (expert_d - 1) / expert_d / link(tp * cp * dp)
+    compute = 6 * shape.active_parameter_count * step_tokens / (world * SUSTAINED_FLOPS)
     extra = compute * _recomputed_share(recipe)          # forward passes run again in the backward
     micro_batches = max(1, math.ceil(tokens / mini_batches / micro_batch_tokens(recipe)))
     bubble = (compute + extra) * (pp - 1) / (micro_batches * (parallel.vpp or 1))
@@ -136,11 +158,14 @@ def step_seconds(recipe: Recipe, world: int, gpus_per_node: int) -> float:
 
 def _recomputed_share(recipe: Recipe) -> float:
     """The extra compute of recomputation, as a share of the step's: the forward (a third of
-    forward + backward) of what is recomputed (the whole layer, or the MLP's share of it)."""
+    forward + backward) of what is recomputed (the whole layer, or the dense MLPs' share of the
+    layers' active parameters: selective `mlp` leaves a MoE layer's experts alone)."""
     recompute, shape = recipe.model.recompute, recipe.model.decoder_shape
     if recompute is None:
         return 0.0
     if recompute.granularity == "full":
         return 1 / 3
-    mlp = 3 * shape.hidden_size * shape.ffn_hidden_size / shape.layer_parameters
+    dense = [i for i in range(shape.num_layers) if not shape.is_moe_layer(i)]
+    active = sum(shape.layer_parameter_count(i, active=True) for i in range(shape.num_layers))
+    mlp = 3 * shape.hidden_size * shape.ffn_hidden_size * len(dense) / active
     return mlp / 3 if "mlp" in recompute.modules else 0.0

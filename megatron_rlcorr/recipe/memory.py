@@ -11,15 +11,26 @@ Conventions: bytes everywhere (GiB = 2**30 only in `MemoryEstimate.gib`); a "ran
 - Parameters per rank: a decoder layer's matrices and q/k/v biases are split over TP, its norms
   are replicated; the first pipeline stage adds the embedding, the last the final norm and the
   output layer (Megatron keeps a copy of a tied embedding there when pp > 1), both over the
-  vocabulary padded to `make_vocab_size_divisible_by * tp`.
+  vocabulary padded to `make_vocab_size_divisible_by * tp`. Layer i is on stage (i // chunk) % pp,
+  chunk = num_layers / (pp * vpp) (the interleaved schedule's order).
+- a mixture-of-experts layer (model.moe) has, besides attention and norms, a router (E x h) and a
+  shared expert's gate (h), both replicated over TP, the shared expert's SwiGLU split over TP, and
+  E / ep routed experts, each split over etp: 3 h f_e / etp each (`experts_per_stage`).
 - weights: params_dtype (2 bytes bf16, 4 fp32). gradients: 4 (fp32 main grads,
   grad_reduce_in_fp32). optimizer (Adam): fp32 master copy (bf16 params only) + m + v, divided by
-  DP x CP with the distributed optimizer.
+  DP x CP with the distributed optimizer; a routed expert's by the expert-data-parallel size
+  tp * cp * dp / (ep * etp) instead. So EP lowers weights and gradients per GPU, while the
+  experts' optimizer states per GPU stay all the stage's experts over its ranks whatever ep is.
 - activations, per token of a micro-batch per layer, bf16, flash attention, no dropout: the four
   inputs of the two norms and the two input projections (8h bytes, split over TP only with
   sequence parallelism), q, k and v and the attention output (4q + 4kv), the MLP's gate/up output
-  and the SwiGLU output (6f), split over TP. Selective recomputation drops the MLP's part
-  (`mlp`) or the norm outputs (`layernorm`); `core_attn` saves nothing more, flash attention
+  and the SwiGLU output (6f), split over TP. A MoE layer replaces the MLP's 6f / tp with
+  k (4h + 6 f_e / etp) + 8E (the token's k routed copies: each expert's input and its weighted
+  output, its gate/up and SwiGLU outputs; the router's float32 logits and probabilities), split
+  over TP with sequence parallelism, and the shared expert's 6 f_s / tp: with balanced routing
+  every rank processes k expert slots per token of its own, whatever ep is. Selective
+  recomputation drops the dense MLP's part (`mlp`; Megatron-Core leaves a MoE layer's experts
+  alone) or the norm outputs (`layernorm`); `core_attn` saves nothing more, flash attention
   already recomputes the scores. Full recomputation keeps each chunk's input (2h) and one chunk
   live in its backward. The first stage holds `pp` micro-batches in flight under 1F1B, times
   1 + (pp - 1) / (pp * vpp) when interleaved.
@@ -30,7 +41,7 @@ Conventions: bytes everywhere (GiB = 2**30 only in `MemoryEstimate.gib`); a "ran
   gradient (8 bytes per output-layer parameter).
 - rollout: vLLM's `gpu_memory_utilization` share while it generates, nothing while it sleeps
   (levels 1 and 2) or the same share when it stays resident (level 0); the embedded engine keeps
-  a full copy of the model in its weight dtype all the time, K + 1 copies under
+  a full copy of the model (every expert) in its weight dtype all the time, K + 1 copies under
   rollout.policy_lag K.
 - total: the larger of the two phases: training (the states + activations + logits + the
   engine's resident memory) and generation (the states the trainer keeps on the GPU + the
@@ -67,27 +78,63 @@ CHUNK_BYTES_PER_ENTRY = 0.5   # two float32 chunks of 1/16 of the tokens (traini
 @dataclass(frozen=True)
 class ParameterCounts:
     total: int                     # as in the Hugging Face checkpoint (unpadded vocabulary)
-    per_stage: tuple[int, ...]     # one TP rank of each pipeline stage (all its virtual chunks)
+    per_stage: tuple[int, ...]     # one rank of each pipeline stage (all its virtual chunks), its experts included
     padded_vocab_size: int
+    # Of per_stage: the routed experts' parameters, which the distributed optimizer shards over the
+    # expert-data-parallel group instead of DP x CP (zeros for a dense model)
+    experts_per_stage: tuple[int, ...]
+    active: int                    # what one token computes with (DecoderShape.active_parameter_count)
 
     @property
     def per_gpu_max(self) -> int:
         return max(self.per_stage)
 
 
-def parameter_counts(model: ModelConfig, parallel: ParallelSettings) -> ParameterCounts:
-    """Parameters in total and on one TP rank of each pipeline stage (module docstring)."""
-    shape, tp, pp = model.decoder_shape, parallel.tp, parallel.pp
+def layer_stage(layer: int, num_layers: int, parallel: ParallelSettings) -> int:
+    """The pipeline stage holding decoder layer `layer`: the layers are cut into pp * vpp chunks in
+    order, and chunk c runs on stage c % pp (Megatron-Core's interleaved schedule)."""
+    chunk = num_layers // (parallel.pp * (parallel.vpp or 1))
+    return layer // chunk % parallel.pp
+
+
+def layer_parameters_per_rank(model: ModelConfig, parallel: ParallelSettings, layer: int) -> tuple[int, int]:
+    """(parameters, of which routed experts) of decoder layer `layer` on one rank (module docstring)."""
+    shape, tp = model.decoder_shape, parallel.tp
     h, d = shape.hidden_size, shape.head_dim
     replicated = 2 * h + (2 * d if shape.qk_layernorm else 0)
-    layer = replicated + (shape.layer_parameters - replicated) // tp
+    attention = replicated + (shape.attention_parameters - replicated) // tp
+    if not shape.is_moe_layer(layer):
+        return attention + 3 * h * shape.ffn_hidden_size // tp, 0
+    moe = shape.moe
+    shared = 0 if moe.shared_expert_ffn_hidden_size is None else 3 * h * moe.shared_expert_ffn_hidden_size // tp + h
+    experts = moe.num_experts // parallel.ep * moe.expert_parameters(h) // parallel.etp
+    return attention + moe.num_experts * h + shared + experts, experts
+
+
+def parameter_counts(model: ModelConfig, parallel: ParallelSettings) -> ParameterCounts:
+    """Parameters in total and on one rank of each pipeline stage (module docstring)."""
+    shape, tp, pp = model.decoder_shape, parallel.tp, parallel.pp
+    h = shape.hidden_size
     vocab = pad_vocab_size(shape.vocab_size, tp, model.make_vocab_size_divisible_by)
     embedding = vocab * h // tp
     head = embedding if (not shape.tie_embeddings or pp > 1) else 0
-    stages = [shape.num_layers // pp * layer for _ in range(pp)]
+    stages, experts = [0] * pp, [0] * pp
+    for layer in range(shape.num_layers):
+        params, expert_params = layer_parameters_per_rank(model, parallel, layer)
+        stage = layer_stage(layer, shape.num_layers, parallel)
+        stages[stage] += params
+        experts[stage] += expert_params
     stages[0] += embedding
     stages[-1] += h + head
-    return ParameterCounts(total=shape.parameter_count, per_stage=tuple(stages), padded_vocab_size=vocab)
+    return ParameterCounts(total=shape.parameter_count, per_stage=tuple(stages), padded_vocab_size=vocab,
+                           experts_per_stage=tuple(experts), active=shape.active_parameter_count)
+
+
+def expert_optimizer_group_size(parallel: ParallelSettings, world_size: int) -> int:
+    """The ranks the gradients of one routed-expert shard are reduced over, and the distributed
+    optimizer shards its states over: the expert-data-parallel group, tp * cp * dp / (ep * etp)
+    (model/build.py marks the experts expert-parallel on every layout, ep 1 included)."""
+    return world_size // parallel.pp // (parallel.ep * parallel.etp)
 
 
 @dataclass(frozen=True)
@@ -146,8 +193,10 @@ def micro_batch_tokens(recipe: Recipe) -> int:
     return recipe.trainer.micro_batch_size * math.ceil(sequence_tokens(recipe) / recipe.parallel.cp)
 
 
-def activation_bytes_per_token(model: ModelConfig, parallel: ParallelSettings, layers: int) -> float:
-    """Activation bytes one token of a micro-batch keeps over `layers` layers of one stage."""
+def activation_bytes_per_token(model: ModelConfig, parallel: ParallelSettings, layers: int,
+                               moe_layers: int = 0) -> float:
+    """Activation bytes one token of a micro-batch keeps over `layers` layers of one stage, `moe_layers`
+    of them mixture-of-experts layers (module docstring)."""
     shape, tp = model.decoder_shape, parallel.tp
     h, f = shape.hidden_size, shape.ffn_hidden_size
     q, kv = shape.num_attention_heads * shape.head_dim, shape.num_query_groups * shape.head_dim
@@ -155,17 +204,38 @@ def activation_bytes_per_token(model: ModelConfig, parallel: ParallelSettings, l
     norm_inputs, norm_outputs = 4 * h / split_h, 4 * h / split_h
     attention, mlp = (4 * q + 4 * kv) / tp, 6 * f / tp
     full_layer = norm_inputs + norm_outputs + attention + mlp
+    moe_mlp = mlp if moe_layers == 0 else moe_block_activation_bytes(model, parallel)
+    moe_layer = full_layer - mlp + moe_mlp
     recompute = model.recompute
+    dense_layers = layers - moe_layers
     if recompute is None:
-        return layers * full_layer
+        return dense_layers * full_layer + moe_layers * moe_layer
     if recompute.granularity == "selective":
-        dropped = (mlp if "mlp" in recompute.modules else 0) + (norm_outputs if "layernorm" in recompute.modules else 0)
-        return layers * (full_layer - dropped)
+        # `mlp` recomputes the dense MLPs only (Megatron-Core leaves a MoE layer's experts alone)
+        dropped = norm_outputs if "layernorm" in recompute.modules else 0
+        return dense_layers * (full_layer - dropped - (mlp if "mlp" in recompute.modules else 0)) + moe_layers * (
+            moe_layer - dropped)
     chunk_input = 2 * h / split_h
+    live = moe_layer if moe_layers else full_layer  # the larger layer, recomputed in its backward
     n = min(recompute.num_layers, layers)
     if recompute.method == "uniform":
-        return math.ceil(layers / n) * chunk_input + n * full_layer
-    return n * chunk_input + (layers - n) * full_layer + full_layer  # block: the first n layers recomputed
+        return math.ceil(layers / n) * chunk_input + n * live
+    # block: the first n layers recomputed, the others kept (with MoE layers: in the stage's proportion)
+    kept = (layers - n) * full_layer if moe_layers == 0 else (
+        (dense_layers * full_layer + moe_layers * moe_layer) * (layers - n) / layers)
+    return n * chunk_input + kept + live
+
+
+def moe_block_activation_bytes(model: ModelConfig, parallel: ParallelSettings) -> float:
+    """A MoE block's activation bytes per token (what replaces the dense MLP's 6f / tp; module
+    docstring): the token's k routed copies (each expert's input and weighted output, 4h, and its
+    gate/up and SwiGLU outputs, 6 f_e / etp) and the router's float32 logits and probabilities (8E),
+    split over TP with sequence parallelism; the shared expert as a dense MLP, 6 f_s / tp."""
+    moe, h, tp = model.decoder_shape.moe, model.hidden_size, parallel.tp
+    split_h = tp if parallel.sequence_parallel else 1
+    routed = (moe.router_topk * (4 * h + 6 * moe.ffn_hidden_size / parallel.etp) + 8 * moe.num_experts) / split_h
+    shared = 0.0 if moe.shared_expert_ffn_hidden_size is None else 6 * moe.shared_expert_ffn_hidden_size / tp
+    return routed + shared
 
 
 def in_flight_micro_batches(parallel: ParallelSettings) -> float:
@@ -195,21 +265,27 @@ def stage_estimates(recipe: Recipe, world_size: int, gpu_memory_bytes: float) ->
     counts = parameter_counts(model, parallel)
     dp_cp = parallel.data_parallel_size(world_size) * parallel.cp
     param_bytes, _, optimizer_bytes = state_bytes_per_parameter(model, recipe.optim, dp_cp)
+    expert_optimizer_bytes = state_bytes_per_parameter(model, recipe.optim,
+                                                       expert_optimizer_group_size(parallel, world_size))[2]
     tokens = micro_batch_tokens(recipe)
     layers = model.num_layers // parallel.pp
-    activations = tokens * activation_bytes_per_token(model, parallel, layers)
-    first_stage = activations * in_flight_micro_batches(parallel)
+    moe_layers = [0] * parallel.pp
+    for layer in model.decoder_shape.moe_layers:
+        moe_layers[layer_stage(layer, model.num_layers, parallel)] += 1
     logits = logit_bytes(model, tokens, counts.padded_vocab_size / parallel.tp)
     generating, resident = _rollout_bytes(recipe, counts.total, gpu_memory_bytes)
+    in_flight = in_flight_micro_batches(parallel)
     candidates = []
     for index, params in enumerate(counts.per_stage):  # the first stage has the activations, the last the logits
-        act = first_stage if index == 0 else activations * max(1.0, in_flight_micro_batches(parallel) - index)
+        activations = tokens * activation_bytes_per_token(model, parallel, layers, moe_layers[index])
+        act = activations * in_flight if index == 0 else activations * max(1.0, in_flight - index)
         lgt = logits if index == parallel.pp - 1 else 0.0
-        estimate = MemoryEstimate(weights=params * param_bytes, gradients=params * GRAD_BYTES,
-                                  optimizer=params * optimizer_bytes, activations=act, logits=lgt, rollout=generating,
-                                  rollout_resident=resident, total=0.0, stage=index,
-                                  offloaded=params * offloaded_bytes_per_parameter(recipe, param_bytes,
-                                                                                   optimizer_bytes))
+        experts = counts.experts_per_stage[index]
+        weights, gradients = params * param_bytes, params * GRAD_BYTES
+        optimizer = (params - experts) * optimizer_bytes + experts * expert_optimizer_bytes
+        estimate = MemoryEstimate(weights=weights, gradients=gradients, optimizer=optimizer, activations=act,
+                                  logits=lgt, rollout=generating, rollout_resident=resident, total=0.0, stage=index,
+                                  offloaded=offloaded_bytes(recipe, weights, gradients, optimizer))
         candidates.append(replace(estimate, total=max(estimate.training_phase, estimate.generation_phase)))
     return candidates
 
@@ -223,11 +299,12 @@ def logit_bytes(model: ModelConfig, tokens: int, vocab_per_rank: float) -> float
     return per_entry * tokens * vocab_per_rank + weight_copy
 
 
-def offloaded_bytes_per_parameter(recipe: Recipe, param_bytes: int, optimizer_bytes: float) -> float:
-    """Bytes per parameter of a rank that trainer offload moves off the GPU while the engine generates."""
+def offloaded_bytes(recipe: Recipe, weights: float, gradients: float, optimizer: float) -> float:
+    """Of a rank's weight, gradient and optimizer bytes: what trainer offload moves off the GPU while
+    the engine generates."""
     model, optim = recipe.model, recipe.optim
-    return ((param_bytes if model.offload_params else 0) + (GRAD_BYTES if model.offload_grads else 0)
-            + (optimizer_bytes if optim.offload_optimizer else 0))
+    return ((weights if model.offload_params else 0.0) + (gradients if model.offload_grads else 0.0)
+            + (optimizer if optim.offload_optimizer else 0.0))
 
 
 def _rollout_bytes(recipe: Recipe, total_params: int, gpu_memory_bytes: float) -> tuple[float, float]:

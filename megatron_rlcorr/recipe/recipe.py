@@ -117,7 +117,7 @@ class Recipe:
     def check_rollout(self, world_size: int, *, here: bool = True) -> None:
         """The rollout engine against the launch and the model: installed (here), its tensor-parallel
         size dividing the world and the heads, a precision it runs, a context that holds prompt +
-        response."""
+        response, routing replay only for a MoE model."""
         rollout, model = self.rollout, self.model
         rtp = rollout.tensor_parallel_size
         heads, groups = model.num_attention_heads, model.num_query_groups
@@ -129,6 +129,10 @@ class Recipe:
             raise ValueError(f"rollout.tensor_parallel_size={rtp} must divide the attention heads ({heads}), and the "
                              f"K/V heads ({groups}) must divide it or be divided by it: use one of {_some(working)}")
         engine_max_model_len(rollout, self.data.max_prompt_length, model.max_position_embeddings)
+        if rollout.routing_replay and model.moe is None:
+            raise ValueError("rollout.routing_replay: true replays the experts the engine routed each token to, and "
+                             "this model is dense (no model.moe): set rollout.routing_replay: false, or use a "
+                             "mixture-of-experts model")
         if rollout.engine == "vllm":
             from ..rollout.vllm_engine import check_vllm_settings
 
@@ -160,12 +164,49 @@ class Recipe:
             raise ValueError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = "
                              f"{tp * pp * cp}; launch a multiple of {tp * pp * cp} processes, or use parallel.pp in "
                              f"{_some(pps)} (or change parallel.tp/cp)")
+        self._check_expert_layout(world_size)
         dp = self.parallel.data_parallel_size(world_size)
         if here:  # the layers this machine builds: Transformer Engine's where needed, FP8 its GPU runs
             from ..model.implementation import check_layers_here
 
             check_layers_here(self.model, sequence_parallel=self.parallel.sequence_parallel)
         return dp
+
+    def _check_expert_layout(self, world_size: int) -> None:
+        """parallel.ep / parallel.etp against the model and the launch: experts to split (model.moe),
+        sequence parallelism with TP, ep dividing the experts, etp their width, and ep * etp the ranks
+        of a pipeline stage (Megatron regroups tp * cp * dp as etp x ep x expert-data-parallel).
+        After the tp*pp*cp check."""
+        p, moe = self.parallel, self.model.moe
+        ep, etp = p.ep, p.etp
+        if moe is None:
+            if (ep, etp) != (1, 1):
+                raise ValueError(f"parallel.ep={ep}, parallel.etp={etp}: expert parallelism needs a mixture-of-experts "
+                                 "model (model.moe, or a Qwen3-MoE / Qwen2-MoE model.hf_checkpoint or architecture); "
+                                 "this model is dense: set parallel.ep: 1 and parallel.etp: 1")
+            return
+        if p.tp > 1 and not p.sequence_parallel:
+            raise ValueError(f"model.moe with parallel.tp={p.tp} needs parallel.sequence_parallel: true "
+                             "(Megatron-Core's MoE layer trains with tensor parallelism only under sequence "
+                             "parallelism), or parallel.tp: 1 (expert parallelism, parallel.ep, splits the experts "
+                             "instead)")
+        stage = world_size // p.pp  # the ranks of one pipeline stage: tp * cp * dp
+        if moe.num_experts % ep:
+            working = [e for e in divisors(moe.num_experts) if stage % (e * etp) == 0]
+            raise ValueError(f"parallel.ep={ep} must divide model.moe.num_experts ({moe.num_experts}): each "
+                             "expert-parallel rank holds num_experts / ep experts; use parallel.ep in "
+                             f"{_some(working)}")
+        if moe.ffn_hidden_size % etp:
+            working = [t for t in divisors(moe.ffn_hidden_size) if stage % (ep * t) == 0]
+            raise ValueError(f"parallel.etp={etp} must divide model.moe.ffn_hidden_size ({moe.ffn_hidden_size}): each "
+                             f"expert's SwiGLU is split over etp ranks; use parallel.etp in {_some(working)}")
+        if stage % (ep * etp):
+            working = [e for e in divisors(moe.num_experts) if stage % (e * etp) == 0]
+            raise ValueError(f"parallel.ep*etp = {ep}*{etp} = {ep * etp} must divide the {stage} ranks of a pipeline "
+                             f"stage (tp*cp*dp: world size {world_size} / parallel.pp={p.pp}): use parallel.ep in "
+                             f"{_some(working)}" + (" (with this etp)" if etp > 1 else "") + ", or launch a "
+                             f"multiple of {p.pp * math.lcm(p.tp * p.cp, ep * etp)} processes (pp * lcm(tp*cp, "
+                             "ep*etp))")
 
     def _check_trackers(self) -> None:
         """wandb / mlflow in trainer.logger need their package here (not for `plan` on another machine)."""

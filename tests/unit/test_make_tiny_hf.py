@@ -1,5 +1,6 @@
 """tools/make_tiny_hf.py: the demo's Qwen2 checkpoint and DAPO parquet load, encode and score as the demo needs."""
 import hashlib
+import math
 import importlib.util
 import json
 import re
@@ -195,3 +196,88 @@ def test_force_rewrites_the_same_bytes(out, capsys):
     assert (out / "model" / "model.safetensors").stat().st_mtime_ns != before[out / "model" / "model.safetensors"][1]
     again = json.loads((out / "manifest.json").read_text())
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in manifest.items() if k != "seconds"}
+
+
+# ---- --moe: the Qwen3-MoE checkpoint ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_out(tiny_hf_moe):
+    return tiny_hf_moe  # conftest.py: the tool run once per session with --seed 0 --moe
+
+
+def test_moe_config_and_weights(moe_out, tokenizer):
+    from transformers import Qwen3MoeForCausalLM
+
+    config = json.loads((moe_out / "model" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
+    # transformers 5 writes the expert count as num_local_experts
+    assert config.get("num_experts", config.get("num_local_experts")) == mk.MOE_SIZES["num_experts"] == 8
+    assert {k: config[k] for k in ("num_experts_per_tok", "moe_intermediate_size", "mlp_only_layers",
+                                   "norm_topk_prob", "num_hidden_layers", "head_dim", "intermediate_size")} == {
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": [0], "norm_topk_prob": True,
+        "num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 256}
+    assert config["vocab_size"] == len(tokenizer) and config["dtype"] == "float32"
+    model = AutoModelForCausalLM.from_pretrained(moe_out / "model", local_files_only=True)
+    assert isinstance(model, Qwen3MoeForCausalLM)
+    parameters = sum(p.numel() for p in model.parameters())
+    assert json.loads((moe_out / "manifest.json").read_text())["parameters"] == parameters
+    # the dense first layer, then the routers and experts; Qwen3's q/k norms and no q/k/v bias
+    h, f, e, k = 64, 64, 8, 2
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert "model.layers.0.mlp.gate_proj.weight" in shapes and "model.layers.0.mlp.gate.weight" not in shapes
+    for layer in (1, 2):
+        assert shapes[f"model.layers.{layer}.mlp.gate.weight"] == (e, h)
+        assert sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"model.layers.{layer}.mlp.experts.")) \
+            == e * 3 * h * f
+    assert "model.layers.1.self_attn.q_norm.weight" in shapes and "model.layers.1.self_attn.q_proj.bias" not in shapes
+    # the routing the model does: every token's top-2 of 8 experts, so the two MoE layers route (not dense)
+    with torch.no_grad():
+        out = model(input_ids=torch.arange(20)[None], output_router_logits=True)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape[-1] == e
+    assert k == config["num_experts_per_tok"]
+
+
+def test_moe_shares_the_tokenizer_data_and_warm_up(out, moe_out):
+    """Byte-identical tokenizer files and parquets to the dense tool's, and a warm-up to the same target."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert _sha(moe_out / "model" / name) == _sha(out / "model" / name), name
+    for name in ("data/train.parquet", "data/val.parquet"):
+        assert _sha(moe_out / name) == _sha(out / name), name
+    manifest = json.loads((moe_out / "manifest.json").read_text())
+    assert manifest["model_type"] == "qwen3_moe" and manifest["seed"] == 0
+    assert manifest["warmup"]["expected_accuracy"] >= mk.WARMUP_TARGET
+    assert 0.2 <= manifest["sampled_accuracy"]["accuracy"] <= 0.55
+
+
+def test_moe_checkpoint_reads_as_our_model_config(moe_out):
+    from megatron_rlcorr.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"hf_checkpoint": str(moe_out / "model")})
+    moe = cfg.moe
+    assert (moe.num_experts, moe.router_topk, moe.ffn_hidden_size, moe.dense_layers, moe.pre_softmax) == (
+        8, 2, 64, (0,), False)                                 # norm_topk_prob true <-> not pre-softmax
+    assert moe.shared_expert_ffn_hidden_size is None and cfg.qk_layernorm and not cfg.add_qkv_bias
+    assert cfg.decoder_shape.moe_layers == (1, 2)
+    assert cfg.decoder_shape.parameter_count == json.loads((moe_out / "manifest.json").read_text())["parameters"]
+
+
+def test_moe_and_dense_directories_are_not_mixed_up(out, moe_out):
+    for directory, flags in ((moe_out, []), (out, ["--moe"])):
+        with pytest.raises(SystemExit) as err:
+            mk.main(["--out", str(directory), *flags])
+        assert err.value.code == 2
+
+
+def test_moe_recipe_loads_with_the_files(moe_out, tmp_path, monkeypatch):
+    """recipes/tiny_hf_moe_cpu.yaml, run where `runs/tiny_hf_moe_files` holds the tool's output (as demo.sh
+    makes it), validates for 2 processes, with EP 2 too: routing replay, the checkpoint's experts."""
+    from megatron_rlcorr.recipe import load_recipe
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tiny_hf_moe_files").symlink_to(moe_out)
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(_PATH.parents[1] / "recipes" / "tiny_hf_moe_cpu.yaml")
+    assert recipe.check_layout(2) == 2
+    assert recipe.rollout.routing_replay and recipe.model.moe.num_experts == 8
+    assert load_recipe(_PATH.parents[1] / "recipes" / "tiny_hf_moe_cpu.yaml", ["parallel.ep=2"]).check_layout(2) == 2
+    assert recipe.data.train_files == ["runs/tiny_hf_moe_files/data/train.parquet"]

@@ -21,7 +21,8 @@ TINY = ROOT / "recipes" / "tiny_cpu.yaml"
 R32 = ROOT / "recipes" / "dapo_qwen2.5_32b_rollout_corr.yaml"
 R7 = ROOT / "recipes" / "dapo_qwen2.5_7b_rollout_corr.yaml"
 CLUSTER_RECIPES = [(R32, 16), (R7, 1), (ROOT / "recipes" / "dapo_qwen2.5_32b_rollout_corr_fp8.yaml", 16),
-                   (ROOT / "recipes" / "dapo_qwen2.5_7b_rollout_corr_fp8.yaml", 1)]
+                   (ROOT / "recipes" / "dapo_qwen2.5_7b_rollout_corr_fp8.yaml", 1),
+                   (ROOT / "recipes" / "dapo_qwen3_30b_a3b_rollout_corr.yaml", 1)]
 
 # A small model whose numbers are easy to follow by hand: h 64, 4 heads of 16, 2 K/V groups, ffn 128,
 # 4 layers, a 1000-token vocabulary padded to 1024 (a multiple of 128 x tp 2), bf16, TP 2 + SP, PP 2.

@@ -12,6 +12,8 @@ from megatron_rlcorr.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+# The tiny model with 4 experts of width 32, top-2, in every layer
+MOE = "model.moe={num_experts: 4, router_topk: 2, ffn_hidden_size: 32}"
 
 
 def test_tiny_recipe_is_the_dapo_correction_on_two_processes():
@@ -68,11 +70,26 @@ BAD = [
     (["algorithm.rollout_correction.use_policy_gradient=true"], "requires bypass_mode=True"),
     (["algorithm.kl_loss.type=k4"], "algorithm.kl_loss.type must be one of"),
     (["algorithm.loss.loss_agg_mode=seq-mean-token-sum-nrom"], 'did you mean "seq-mean-token-sum-norm"'),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel needs Transformer Engine"),
     (["trainer.timeout_minutes=0"], "trainer: timeout_minutes must be >= 1"),
     (["trainer.max_tokens_per_micro_batch=-1"], "max_tokens_per_micro_batch must be >= 0"),
     # a mapping split by the shell at its space: a clear error, not a YAML traceback
     (["data.reward={aime:", "dapo_math}"], "override 'data.reward={aime:': its value is not valid YAML"),
+    # expert parallelism: a MoE model, ep dividing the experts, etp their width, ep*etp the ranks of a stage
+    (["parallel.ep=2"], "parallel.ep=2, parallel.etp=1: expert parallelism needs a mixture-of-experts model"),
+    (["parallel.etp=2"], "this model is dense: set parallel.ep: 1 and parallel.etp: 1"),
+    (["rollout.routing_replay=true"], "rollout.routing_replay: true replays the experts the engine routed each "
+                                      "token to, and this model is dense (no model.moe): set "
+                                      "rollout.routing_replay: false"),
+    ([MOE, "parallel.tp=2"], "model.moe with parallel.tp=2 needs parallel.sequence_parallel: true"),
+    ([MOE, "parallel.ep=3"], "parallel.ep=3 must divide model.moe.num_experts (4): each expert-parallel rank holds "
+                             "num_experts / ep experts; use parallel.ep in 1, 2"),
+    ([MOE, "parallel.etp=3"], "parallel.etp=3 must divide model.moe.ffn_hidden_size (32): each expert's SwiGLU is "
+                              "split over etp ranks; use parallel.etp in 1, 2"),
+    ([MOE, "parallel.ep=4"], "parallel.ep*etp = 4*1 = 4 must divide the 2 ranks of a pipeline stage (tp*cp*dp: world "
+                             "size 2 / parallel.pp=1): use parallel.ep in 1, 2, or launch a multiple of 4 processes"),
+    ([MOE, "parallel.ep=2", "parallel.etp=2"], "parallel.ep*etp = 2*2 = 4 must divide the 2 ranks of a pipeline stage "
+                                               "(tp*cp*dp: world size 2 / parallel.pp=1): use parallel.ep in 1 (with "
+                                               "this etp), or launch a multiple of 4 processes"),
 ]
 
 
@@ -164,3 +181,32 @@ def test_other_ranks_report_a_bad_recipe_after_rank_0_had_time_to(monkeypatch, c
     assert train.main(["--config", str(TINY), "trainer.stpes=3"]) == train.EXIT_BAD_RECIPE
     assert naps == [runtime.REPORT_GRACE_S]  # under torchrun, rank 0's exit stops this rank here
     assert capsys.readouterr().err.startswith(f"error: recipe {TINY} (rank 1): ")
+
+
+def test_expert_layout_counts_the_ranks_of_a_pipeline_stage():
+    """ep * etp divides tp*cp*dp, the ranks of one stage: the same ep*etp that fits 4 ranks of one stage does
+    not fit 2 stages of 2."""
+    assert load_recipe(TINY, [MOE, "parallel.ep=2"]).check_model_layout(2, here=False) == 2
+    assert load_recipe(TINY, [MOE, "parallel.ep=2", "parallel.etp=2"]).check_model_layout(4, here=False) == 4
+    assert load_recipe(TINY, [MOE, "parallel.ep=2", "parallel.cp=2"]).check_model_layout(4, here=False) == 2
+    assert load_recipe(TINY, [MOE, "parallel.ep=2", "parallel.pp=2"]).check_model_layout(4, here=False) == 2
+    with pytest.raises(ValueError, match=r"ep\*etp = 2\*2 = 4 must divide the 2 ranks .* parallel.pp=2\): use "
+                                         r"parallel.ep in 1 \(with this etp\), or launch a multiple of 8 processes"):
+        load_recipe(TINY, [MOE, "parallel.ep=2", "parallel.etp=2", "parallel.pp=2"]).check_model_layout(4, here=False)
+
+
+def test_every_shipped_recipe_loads(tiny_hf, tiny_hf_moe, tmp_path, monkeypatch):
+    """Every recipes/*.yaml loads (the CPU ones that read a made checkpoint from runs/, where demo.sh puts
+    tools/make_tiny_hf.py's files), named after its file; the MoE ones read their experts."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tiny_hf_files").symlink_to(tiny_hf)
+    (tmp_path / "runs" / "tiny_hf_moe_files").symlink_to(tiny_hf_moe)
+    monkeypatch.chdir(tmp_path)
+    paths = sorted((ROOT / "recipes").glob("*.yaml"))
+    assert len(paths) >= 16
+    for path in paths:
+        recipe = load_recipe(path)
+        assert recipe.name == path.stem
+    moe = {p.stem: load_recipe(p) for p in paths if load_recipe(p).model.moe is not None}
+    assert set(moe) == {"tiny_hf_moe_cpu", "dapo_qwen3_30b_a3b_rollout_corr"}
+    assert all(r.rollout.routing_replay for r in moe.values())
