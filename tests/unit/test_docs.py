@@ -58,7 +58,7 @@ def test_configuration_reference_covers_every_recipe_section():
 
     gen = _generator()
     keys = {section.key for section in gen.sections()}
-    assert {"model", "model.fp8", "model.recompute", "parallel", "rollout", "rollout.val_kwargs", "data", "algorithm",
+    assert {"model", "model.fp8", "model.moe", "model.recompute", "parallel", "rollout", "rollout.val_kwargs", "data", "algorithm",
             "algorithm.dynamic_sampling", "algorithm.overlong_penalty", "algorithm.kl_loss", "algorithm.kl_in_reward",
             "algorithm.reference", "algorithm.loss", "algorithm.rollout_correction", "optim", "trainer"} == keys
     # Every key the page lists is one the recipe parser accepts (its default, given explicitly).
