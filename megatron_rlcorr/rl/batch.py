@@ -41,9 +41,37 @@ def build_step_batch(groups: RolloutGroups, advantages_B: torch.Tensor, *,
         response_mask_BT=mask_BT.float(),
         rollout_log_probs_BT=torch.where(mask_BT, rollout_lp_BT, torch.zeros_like(rollout_lp_BT)),
         advantages_BT=advantages_B.float()[:, None] * mask_BT.float(),
+        routed_experts_BTLK=routed_experts(groups, tokens_BT.shape[1]),
     )
     return batch, invalid_BT.sum()
 
+
+def routed_experts(groups: RolloutGroups, width: int) -> torch.Tensor | None:
+    """int16 [B, width, MoE layers, k]: the experts the engine routed each input position to, -1
+    where it recorded none (padding, prompt positions without `prompt_routed_experts`, the last
+    token of each sequence, a sample without routing); None when no sample has any.
+
+    Row j of a sample's `routed_experts` is the forward at input position len(prompt) - 1 + j (whose
+    output gives response token j, the log-prob at that position); `prompt_routed_experts` covers
+    positions 0 .. len(prompt) - 2."""
+    response, prompt = groups.routed_experts, groups.prompt_routed_experts
+    present = [x for x in (*(response or ()), *(prompt or ())) if x is not None]
+    if not present:
+        return None
+    layers_k = tuple(present[0].shape[1:])
+    out = torch.full((len(groups.response_ids), width, *layers_k), -1, dtype=torch.int16)
+    for i, (ids, answer) in enumerate(zip(groups.prompt_ids(), groups.response_ids)):
+        parts = (("prompt_routed_experts", None if prompt is None else prompt[i], 0, len(ids) - 1),
+                 ("routed_experts", None if response is None else response[i], len(ids) - 1, len(answer)))
+        for name, rows, start, count in parts:
+            if rows is None:
+                continue
+            if tuple(rows.shape) != (count, *layers_k):
+                raise ValueError(f"sample {i}: {name} has shape {tuple(rows.shape)}, expected "
+                                 f"{(count, *layers_k)} (one row per input position: len(prompt) - 1 rows for "
+                                 "the prompt, len(response) for the response); the rollout engine reported them")
+            out[i, start:start + count] = rows.to(torch.int16)
+    return out
 
 def padded_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                      logprobs: Sequence[torch.Tensor | Sequence[float]] | None = None, *, pad_multiple: int = 1
@@ -71,10 +99,14 @@ def padded_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence
 
 
 def slice_batch(batch: StepBatch, start: int, end: int) -> StepBatch:
-    """Rows [start, end) of every field."""
-    return StepBatch(**{name: getattr(batch, name)[start:end] for name in _FIELDS})
+    """Rows [start, end) of every field (an absent optional field stays None)."""
+    return StepBatch(**{name: _apply(getattr(batch, name), lambda t: t[start:end]) for name in _FIELDS})
 
 
 def batch_to(batch: StepBatch, device: torch.device | str) -> StepBatch:
     """Every field on `device`."""
-    return StepBatch(**{name: getattr(batch, name).to(device) for name in _FIELDS})
+    return StepBatch(**{name: _apply(getattr(batch, name), lambda t: t.to(device)) for name in _FIELDS})
+
+
+def _apply(tensor: torch.Tensor | None, fn):
+    return None if tensor is None else fn(tensor)

@@ -10,6 +10,9 @@ One step:
    trainer offload (training/offload.py) the trainer's states leave the GPU before generation and
    come back once the engines sleep.
 2. Decoupled mode: pi_old log-probs by a forward pass before any update (bypass mode skips it).
+   MoE: with rollout.routing_replay every trainer forward of the rollouts (pi_old, the reference,
+   the updates) routes the recorded tokens to the experts the engine used (training/routing_replay.py);
+   the step logs moe/routing_mismatch_fraction, moe/expert_load_max_over_mean (and moe/aux_loss).
 3. `ppo_epochs` passes over the batch in mini-batches, one optimizer step each.
 4. The updated weights are streamed (model/weight_stream.py) into every rank's engine.
 5. Validation on data.val_files (rl/validation.py) with those weights, every trainer.test_freq
@@ -48,6 +51,7 @@ from ..training import checkpoint
 from ..training.offload import TrainerOffload
 from ..training.optimizer import OptimSettings, build_model_and_optimizer, sync_params
 from ..training.reference import ReferencePolicy
+from ..training.routing_replay import routing_metrics
 from ..training.step import (StepBatch, StepConfig, StepCorrection, StepResult, broadcast_from_last_stage,
                              compute_old_log_probs, compute_old_log_probs_and_entropy, old_pass_entropy,
                              step_correction, train_minibatch)
@@ -111,7 +115,8 @@ class Trainer:
                                    micro_batch_size=trainer.micro_batch_size,
                                    max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
                                    temperature=recipe.rollout.temperature or 1.0, kl_loss=algo.kl_loss,
-                                   response_limit=recipe.rollout.max_new_tokens)
+                                   response_limit=recipe.rollout.max_new_tokens,
+                                   routing_replay=recipe.rollout.routing_replay)
         self.reference = (ReferencePolicy(recipe.model, groups, seed=trainer.seed, settings=algo.reference)
                           if algo.uses_reference else None)
         self.kl_controller = KLController(algo.kl_in_reward) if algo.kl_in_reward.enabled else None
@@ -224,11 +229,13 @@ class Trainer:
             step_metrics.update(kl_metrics)
         step_metrics = broadcast_from_last_stage(step_metrics, self.groups, self.device)
         results = self._update(batch, old_log_probs, ref_log_probs, correction)
+        # MoE: routing mismatch, expert load, aux loss of the step's passes (one collective; dense: none)
+        moe_metrics = routing_metrics(self.model, self.groups, self.device)
         self.scheduler.step(increment=1)  # once per RL step: every update of the step had its lr
         t_train = time.perf_counter()
         self._push_weights()
         t_end = time.perf_counter()
-        metrics = {**_rollout_metrics(sums), **_train_metrics(results), **step_metrics, **data_metrics}
+        metrics = {**_rollout_metrics(sums), **_train_metrics(results), **step_metrics, **moe_metrics, **data_metrics}
         metrics.update({"timing/gen_s": t_gen - t0, "timing/train_s": t_train - t_gen,
                         "timing/weight_sync_s": t_end - t_train, "timing/step_s": t_end - t0,
                         "throughput/tokens_per_s": sums["all_tokens"] / (t_end - t0),
@@ -244,10 +251,12 @@ class Trainer:
         if cfg.correction.needs_old_log_prob_pass:  # (bypass mode: actor/entropy from the update, with entropy_coeff)
             old, entropy = compute_old_log_probs_and_entropy(
                 self.model, batch, groups=self.groups, micro_batch_size=cfg.micro_batch_size,
-                temperature=cfg.temperature, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
-        if self.reference is not None:
+                temperature=cfg.temperature, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                routing_replay=cfg.routing_replay, routing_metrics=True)
+        if self.reference is not None:  # replays too (training/step.py's docstring says why)
             ref = self.reference.log_probs(batch, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
-                                           max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
+                                           max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                                           routing_replay=cfg.routing_replay)
         if old is not None:
             correction, metrics = step_correction(old, batch, cfg.correction, self.groups)
             metrics = {**metrics, "actor/entropy": old_pass_entropy(entropy, batch, cfg, self.groups)}
@@ -261,7 +270,8 @@ class Trainer:
         if not cfg.correction.needs_old_log_prob_pass:  # (None on the other pipeline stages either way)
             old_log_probs = compute_old_log_probs(self.model, batch, groups=groups,
                                                   micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
-                                                  max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
+                                                  max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                                                  routing_replay=cfg.routing_replay)
         holder = groups.is_pipeline_last_stage() and groups.tp_rank == 0 and groups.cp_rank == 0
         limit = -(-self.recipe.trainer.dump_max_samples // groups.dp_size)
         records = dump_records(share, old_log_probs, rewards_B, step=step, limit=limit) if holder else None

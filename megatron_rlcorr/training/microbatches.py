@@ -142,7 +142,8 @@ class MicroBatchPlan:
         return self.micro_batches[0].packed_seq_params is not None
 
     def split(self, x_BT: torch.Tensor, fill: float = 0) -> list[torch.Tensor]:
-        """This rank's part of every micro-batch of a per-token `[B, T]` tensor (padding: `fill`)."""
+        """This rank's part of every micro-batch of a per-token `[B, T, ...]` tensor (padding:
+        `fill`); trailing dimensions stay: `[b, T_pad / cp, ...]` or `[n_local, ...]`."""
         if x_BT.shape[0] != self.num_rows or x_BT.shape[1] > self.width:
             raise ValueError(f"a per-token tensor of shape {tuple(x_BT.shape)} does not fit the mini-batch "
                              f"[{self.num_rows}, <= {self.width}]")
@@ -153,8 +154,10 @@ class MicroBatchPlan:
         """The mini-batch flattened, with one `fill` cell at the end (where padding points)."""
         device = self.micro_batches[0].index.device
         x_BT = x_BT.to(device, non_blocking=True)
-        x_BW = torch.nn.functional.pad(x_BT, (0, self.width - x_BT.shape[1]), value=fill)
-        return torch.cat([x_BW.reshape(-1), x_BW.new_full((1,), fill)])
+        rows, columns, rest = x_BT.shape[0], x_BT.shape[1], x_BT.shape[2:]
+        cells = x_BT.new_full((rows * self.width + 1, *rest), fill)
+        cells[:-1].view(rows, self.width, *rest)[:, :columns] = x_BT
+        return cells
 
     def merge(self, parts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
         """`[B, width]` from this rank's micro-batch values (`split`'s shapes); every CP rank gets

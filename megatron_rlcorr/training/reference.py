@@ -43,13 +43,15 @@ class ReferencePolicy:
         self._offload()
 
     def log_probs(self, batch: StepBatch, *, micro_batch_size: int, temperature: float,
-                  max_tokens_per_micro_batch: int = 0) -> torch.Tensor | None:
+                  max_tokens_per_micro_batch: int = 0, routing_replay: bool = False) -> torch.Tensor | None:
         """log pi_ref(targets) [B, T] on last-stage ranks, None elsewhere (collective over the
-        model-parallel group, like compute_old_log_probs)."""
+        model-parallel group, like compute_old_log_probs). MoE: `routing_replay` routes the tokens
+        the engine recorded to its experts, as the policy's passes do (training/step.py says why)."""
         self._load()
         try:
             return compute_old_log_probs(self.chunks, batch, groups=self.groups, micro_batch_size=micro_batch_size,
-                                         temperature=temperature, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                                         temperature=temperature, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                         routing_replay=routing_replay)
         finally:
             self._offload()
 

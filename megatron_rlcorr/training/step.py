@@ -33,6 +33,15 @@ Data flow of `train_minibatch` for one DP rank's mini-batch `[B, T]`:
    `old_pass_entropy`: verl's trainer reports it the same way); bypass mode has no such pass, so
    there it is the update's entropy term / -entropy_coeff, and absent with entropy_coeff 0.
 
+MoE (routing_replay.py): with `StepConfig.routing_replay` (rollout.routing_replay) every forward of
+those tokens, the pi_old pass, each update and its recompute, and the reference policy's pass (the
+trainer passes it to ReferencePolicy.log_probs), routes the tokens the engine recorded
+(StepBatch.routed_experts_BTLK) to the engine's experts. The reference replays too so that the KL
+terms compare the two policies' weights under one routing: with the policy's own weights the KL is
+exactly 0, whereas a freely routed reference would charge the policy with the engine-vs-trainer
+routing differences that replay removed (the replayed top-k gets no gradient, so the policy could
+not reduce them). The step's MoE metrics come from the pi_old pass (bypass mode: the updates).
+
 Modes (RolloutCorrectionConfig): decoupled (bypass_mode False): pi_old comes from
 `compute_old_log_probs` before the update, IS/RS from pi_old vs pi_rollout, PPO ratio against
 pi_old. Bypass (pi_old := pi_rollout, no old-log-prob pass): the correction compares pi_theta
@@ -53,6 +62,7 @@ response tokens BEFORE rejection (a rejected token leaves the numerator only).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
@@ -68,6 +78,7 @@ from .kl import KLLossSettings
 from .losses import LossConfig, aggregate_over_batch, global_loss_normalizers, policy_loss, reduce_metric_partials
 from .microbatches import MicroBatchPlan, PackingRules, plan_packed, plan_padded, sequence_lengths, sequence_multiple
 from .optimizer import current_lr, loss_scale_for_schedule, step_optimizer, zero_grads
+from .routing_replay import forward_context, routing_pass
 
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
@@ -81,6 +92,11 @@ class StepBatch:
     response_mask_BT: torch.Tensor     # float32 0/1: 1 where targets_BT[:, t] is a response token to train on
     rollout_log_probs_BT: torch.Tensor # float32 engine log-prob of targets_BT[:, t] (garbage where mask is 0)
     advantages_BT: torch.Tensor        # float32 per-token advantage
+    # MoE: the experts the rollout engine routed each position's token to, int16 [B, T, MoE layers, k]
+    # (axis 2: DecoderShape.moe_layers), -1 where it recorded none (padding, prompt positions it did
+    # not report, each sequence's last token); None for a dense model or an engine that records none.
+    # rollout.routing_replay replays it (routing_replay.py); the routing metrics compare against it.
+    routed_experts_BTLK: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,8 @@ class StepConfig:
     kl_loss: KLLossSettings = KLLossSettings()
     # seq-mean-token-sum-norm's F when loss.loss_scale_factor is unset (the response length limit)
     response_limit: int = 1
+    # rollout.routing_replay: MoE tokens the engine recorded go to its experts in every forward (routing_replay.py)
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -176,9 +194,16 @@ def _check_batch(batch: StepBatch) -> None:
         raise ValueError(f"StepBatch.tokens_BT must be [B, T], got shape {tuple(shape)}")
     for field in dataclasses.fields(batch):
         tensor = getattr(batch, field.name)
-        if tensor.shape != shape:
+        if tensor is None:
+            continue
+        per_token = field.name == "routed_experts_BTLK"  # [B, T, MoE layers, top-k]
+        if tensor.shape[:2] != shape or (tensor.dim() != 2 and not per_token):
             raise ValueError(f"StepBatch.{field.name} has shape {tuple(tensor.shape)}, expected tokens_BT's "
-                             f"{tuple(shape)}")
+                             f"{tuple(shape)}" + (" + [MoE layers, top-k]" if per_token else ""))
+    routed = batch.routed_experts_BTLK
+    if routed is not None and (routed.dim() != 4 or routed.is_floating_point()):
+        raise ValueError(f"StepBatch.routed_experts_BTLK must be an integer [B, T, MoE layers, top-k] tensor, got "
+                         f"{routed.dtype} of shape {tuple(routed.shape)}")
     for name in ("tokens_BT", "targets_BT"):
         if getattr(batch, name).is_floating_point():
             raise ValueError(f"StepBatch.{name} must be an integer tensor, got {getattr(batch, name).dtype}")
@@ -207,8 +232,9 @@ def _mask_only(correction: RolloutCorrectionConfig) -> RolloutCorrectionConfig:
 # ---- running the pipeline schedule ---------------------------------------------------------
 
 def _run_schedule(model_chunks: list[Any], local: _Local, loss_fn, *, groups: ParallelGroups,
-                  forward_only: bool) -> None:
-    """Megatron-Core's forward(/backward) schedule; `loss_fn(mb, logits)` -> (loss, {})."""
+                  forward_only: bool, routing=None) -> None:
+    """Megatron-Core's forward(/backward) schedule; `loss_fn(mb, logits)` -> (loss, {}); `routing`: the
+    pass's routing replay (routing_replay.ReplayPass; None for a dense model or nothing to do)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -220,7 +246,8 @@ def _run_schedule(model_chunks: list[Any], local: _Local, loss_fn, *, groups: Pa
         tokens, positions = local.tokens[mb], micro.positions
         if plan.is_packed:  # Megatron's THD micro-batch is one row of packed tokens
             tokens, positions = tokens[None], positions[None]
-        output = model(tokens, positions, None, packed_seq_params=micro.packed_seq_params)
+        with forward_context(routing, model, mb):
+            output = model(tokens, positions, None, packed_seq_params=micro.packed_seq_params)
         return output, partial(loss_fn, mb)
 
     num_microbatches = plan.num_microbatches
@@ -252,22 +279,27 @@ def _log_probs(logits: torch.Tensor, targets: torch.Tensor, groups: ParallelGrou
 
 
 def compute_old_log_probs(model_chunks: list[Any], batch: StepBatch, *, groups: ParallelGroups,
-                          micro_batch_size: int, temperature: float, max_tokens_per_micro_batch: int = 0
-                          ) -> torch.Tensor | None:
+                          micro_batch_size: int, temperature: float, max_tokens_per_micro_batch: int = 0,
+                          routing_replay: bool = False, routing_metrics: bool = False) -> torch.Tensor | None:
     """log pi_old(targets) [B, T] float32 (full, merged over CP) on last-stage ranks, None elsewhere.
 
     A forward-only pass of the current weights through the pipeline schedule, in padded
     micro-batches of `micro_batch_size` rows or, with `max_tokens_per_micro_batch`, packed ones.
     Collective over the model-parallel group of this DP rank (all of TP x CP x PP must call it).
+    MoE: `routing_replay` routes the tokens the engine recorded (batch.routed_experts_BTLK) to its
+    experts; `routing_metrics` adds this pass's routing to the step's MoE metrics
+    (routing_replay.routing_metrics). Without either, the routers route freely, untouched.
     """
     return compute_old_log_probs_and_entropy(model_chunks, batch, groups=groups, micro_batch_size=micro_batch_size,
                                              temperature=temperature, entropy=False,
-                                             max_tokens_per_micro_batch=max_tokens_per_micro_batch)[0]
+                                             max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                             routing_replay=routing_replay, routing_metrics=routing_metrics)[0]
 
 
 def compute_old_log_probs_and_entropy(model_chunks: list[Any], batch: StepBatch, *, groups: ParallelGroups,
                                       micro_batch_size: int, temperature: float, entropy: bool = True,
-                                      max_tokens_per_micro_batch: int = 0
+                                      max_tokens_per_micro_batch: int = 0, routing_replay: bool = False,
+                                      routing_metrics: bool = False
                                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """compute_old_log_probs, and with `entropy` the entropy of pi_old's tempered distribution at
     every position [B, T] float32 (where the trainer's `actor/entropy` comes from: old_pass_entropy)."""
@@ -281,8 +313,10 @@ def compute_old_log_probs_and_entropy(model_chunks: list[Any], batch: StepBatch,
         log_probs[mb], entropies[mb] = _log_probs(logits, local.targets[mb], groups, temperature, entropy=entropy)
         return logits.new_zeros(()), {}
 
-    with torch.no_grad():
-        _run_schedule(model_chunks, local, loss_fn, groups=groups, forward_only=True)
+    routing = (routing_pass(model_chunks, plan, batch, groups, replay=routing_replay, collect=routing_metrics,
+                            training=False) if routing_replay or routing_metrics else contextlib.nullcontext())
+    with torch.no_grad(), routing as replay_pass:
+        _run_schedule(model_chunks, local, loss_fn, groups=groups, forward_only=True, routing=replay_pass)
     if not groups.is_pipeline_last_stage():
         return None, None
     width = batch.tokens_BT.shape[1]
@@ -445,7 +479,10 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
         return out.loss * scale, {}
 
     zero_grads(model_chunks, optimizer)
-    _run_schedule(model_chunks, local, loss_fn, groups=groups, forward_only=False)
+    # Bypass mode has no pi_old pass: its updates' routing feeds the step's MoE metrics.
+    with routing_pass(model_chunks, plan, batch, groups, replay=cfg.routing_replay, collect=correct_in_loss,
+                      training=True) as replay_pass:
+        _run_schedule(model_chunks, local, loss_fn, groups=groups, forward_only=False, routing=replay_pass)
     lr = current_lr(optimizer)
     update_successful, grad_norm = step_optimizer(optimizer)
 
