@@ -20,7 +20,10 @@ rank needs, an all-reduce over DP): the pipeline schedule and the gradient all-r
 lockstep over DP. Under pipeline parallelism every micro-batch of a mini-batch is padded to the
 same token count (the last sequence's padding grows), because the schedule sends activations of
 one fixed shape between stages; with virtual pipelining their number is a multiple of pp
-(Megatron-Core's interleaved schedule).
+(Megatron-Core's interleaved schedule). Under expert parallelism across DP replicas every forward
+is a collective of the expert group, so the number of micro-batches is agreed over DP in every
+pass, and with the allgather dispatcher (equal-sized token blocks) their token count too (packed)
+or the mini-batch width (padded: training/step.py).
 
 Alignment (`sequence_multiple`): 2*cp for the zigzag split; with sequence parallelism each
 sequence's share per CP rank is split again over TP; FP8 needs each rank's token count to be a
@@ -214,6 +217,8 @@ class PackingRules:
     multiple: int               # sequence_multiple
     equal_sizes: bool = False   # pipeline parallelism: every micro-batch the same token count
     bins_multiple: int = 1      # virtual pipelining: the number of micro-batches a multiple of pp
+    # expert parallelism with the allgather dispatcher: that count the same on every DP rank too
+    equal_sizes_over_dp: bool = False
 
 
 def plan_packed(lengths_B: torch.Tensor, length: int, rules: PackingRules, *, cp_size: int, cp_rank: int,
@@ -238,6 +243,8 @@ def plan_packed(lengths_B: torch.Tensor, length: int, rules: PackingRules, *, cp
                          f"{len(padded)} sequences: raise trainer.max_tokens_per_micro_batch or the mini-batch size")
     bins = pack_exactly(padded, capacity, num_bins)
     bin_tokens = max(sum(padded[i] for i in b) for b in bins) if rules.equal_sizes else None
+    if rules.equal_sizes_over_dp:
+        bin_tokens = _agreed_max(bin_tokens, dp_group, device)
     width = round_up(max(length, 1), rules.multiple)
     micro_batches, all_cp, computed = [], [], 0
     for rows in bins:
@@ -257,11 +264,16 @@ def plan_packed(lengths_B: torch.Tensor, length: int, rules: PackingRules, *, cp
 
 def _agreed_bins(needed: int, multiple: int, dp_group: dist.ProcessGroup | None, device: torch.device) -> int:
     """The number of micro-batches every DP rank uses: the largest any needs, rounded up."""
+    return round_up(_agreed_max(needed, dp_group, device), multiple)
+
+
+def _agreed_max(value: int, dp_group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """The largest `value` of the DP ranks (one all-reduce; `value` itself without a group)."""
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        count = torch.tensor([needed], dtype=torch.int64, device=device)
+        count = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-        needed = int(count.item())
-    return round_up(needed, multiple)
+        value = int(count.item())
+    return value
 
 
 def _packed_micro_batch(rows: list[int], spans: list[int], lengths: list[int], num_rows: int, width: int,

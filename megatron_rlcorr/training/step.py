@@ -160,20 +160,44 @@ def _plan(batch: StepBatch, model_chunks: list[Any], groups: ParallelGroups, *, 
     """Padded micro-batches of `micro_batch_size` rows, or packed ones of `max_tokens` tokens per
     rank, as many on every DP rank with `same_count_over_dp` (training: DDP's gradient all-reduce
     and the per-micro-batch collectives of bypass mode run in lockstep; a forward-only pass needs
-    no agreement)."""
+    no agreement, except under expert parallelism: _experts_span_replicas)."""
     config, device = model_chunks[0].config, _model_device(model_chunks)
     lengths = sequence_lengths(batch.response_mask_BT.to(device, non_blocking=True))
     multiple = sequence_multiple(config)
     cp_group = _group_or_none(groups.cp, groups.cp_size)
+    dp_group = _group_or_none(groups.dp, groups.dp_size)
     width = batch.tokens_BT.shape[1]
+    lockstep = _experts_span_replicas(config, groups)
+    same_shapes = lockstep and config.moe_token_dispatcher_type == "allgather"
     if not max_tokens:
+        if lockstep:
+            width = _agreed_width(width, batch.tokens_BT.shape[0], dp_group, device)
         return plan_padded(lengths, width, micro_batch_size=micro_batch_size, multiple=multiple,
                            cp_size=groups.cp_size, cp_rank=groups.cp_rank, cp_group=cp_group, device=device)
-    rules = PackingRules(max_tokens, multiple, equal_sizes=groups.pp_size > 1,
-                         bins_multiple=groups.pp_size if groups.vpp_size else 1)
+    rules = PackingRules(max_tokens, multiple, equal_sizes=groups.pp_size > 1 or same_shapes,
+                         bins_multiple=groups.pp_size if groups.vpp_size else 1, equal_sizes_over_dp=same_shapes)
     return plan_packed(lengths, width, rules, cp_size=groups.cp_size, cp_rank=groups.cp_rank, cp_group=cp_group,
-                       dp_group=_group_or_none(groups.dp, groups.dp_size) if same_count_over_dp else None,
-                       device=device)
+                       dp_group=dp_group if same_count_over_dp or lockstep else None, device=device)
+
+
+def _experts_span_replicas(config: Any, groups: ParallelGroups) -> bool:
+    """Whether the MoE layers' token dispatcher exchanges tokens between data-parallel replicas
+    (parallel.ep * parallel.etp > 1 with dp > 1: an expert group spans replicas). Every forward is
+    then a collective over them: each replica runs as many micro-batches, and under the allgather
+    dispatcher (which gathers equal-sized token blocks) of one shape."""
+    return bool(getattr(config, "num_moe_experts", None)) and groups.ep_size * groups.etp_size > 1 \
+        and groups.dp_size > 1
+
+
+def _agreed_width(width: int, rows: int, dp_group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """The widest mini-batch of the DP replicas (padded micro-batches of one shape everywhere);
+    every replica must hold as many rows (the same number of micro-batches)."""
+    if dp_group is None:
+        return width
+    sizes = torch.tensor([width, rows, -rows], dtype=torch.int64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=dp_group)
+    assert int(sizes[1]) == -int(sizes[2]), "data-parallel replicas hold mini-batches of different sizes"
+    return int(sizes[0])
 
 
 def _cut(batch: StepBatch, plan: MicroBatchPlan) -> _Local:
