@@ -381,7 +381,7 @@ class Trainer:
 
     def _push_weights(self) -> None:
         """Stream the weights into every rank's engine (model/weight_stream.py: collective over
-        TP and PP), waking its memory first: the weights' before loading, the KV cache's after (with
+        TP and PP, every rank with expert parallelism), waking its memory first: the weights' before loading, the KV cache's after (with
         trainer offload: at the next generation, once the trainer's states have left)."""
         sync_params(self.model)
         load_model_weights(self.engine, self.recipe.rollout, self.model, self.groups)

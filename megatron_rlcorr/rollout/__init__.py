@@ -45,7 +45,7 @@ def make_engine(cfg: RolloutConfig, model: ModelConfig, *, eos_token_id: int | S
 def load_model_weights(engine: RolloutEngine, cfg: RolloutConfig, model_chunks: Sequence,
                        groups: ParallelGroups) -> None:
     """Stream the Megatron model's full weights into `engine` (model/weight_stream.py: collective
-    over TP and PP) in the dtype and buckets `cfg` sets, waking the engine's weight memory first.
+    over TP and PP, and over every rank with expert parallelism) in the dtype and buckets `cfg` sets, waking the engine's weight memory first.
     The trainer's weight sync and `eval` both load an engine this way."""
     from ..model.weight_stream import MiB, flatten, weight_buckets
 

@@ -192,6 +192,14 @@ ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
     "parallel.tp=2": (
         (f"{T_HF_RUNS}::test_score_matches_transformers",),
         "a 2-process torchrun scoring (the test runs tp1, tp2, cp2, pp2 and dp2)"),
+    # moe.md
+    "python tools/make_tiny_hf.py --moe --out runs/tiny_hf_moe_files": (
+        ("tests/unit/test_make_tiny_hf.py::test_moe_config_and_weights",
+         "tests/unit/test_make_tiny_hf.py::test_moe_shares_the_tokenizer_data_and_warm_up"),
+        "about 30 s of warm-up training: its tests build it once (--out a temporary directory) and check every file"),
+    "torchrun --nproc_per_node=2 -m megatron_rlcorr.train --config recipes/tiny_hf_moe_cpu.yaml": (
+        ("tests/distributed/test_moe_runs.py::test_expert_parallel_run_follows_ep1_and_resumes_exactly",),
+        "a 2-process training run of minutes; the test trains the same recipe for 4 steps at ep 1 and ep 2"),
     # parallel.md
     "source tools/_env.sh && ensure_env": (
         ("tests/unit/test_readme.py::test_ci_runs_the_readme_test_command",),
