@@ -105,11 +105,18 @@ def _moe_settings(cfg: ModelConfig, groups: ParallelGroups, impl: str) -> dict[s
             raise ValueError(f"parallel.ep={groups.ep_size} / parallel.etp={groups.etp_size} need a mixture-of-experts "
                              "model (model.moe); this model is dense: set both to 1")
         return {}
+    if groups.tp_size > 1 and not groups.sequence_parallel:
+        raise ValueError(f"model.moe with parallel.tp={groups.tp_size} needs parallel.sequence_parallel: true "
+                         "(Megatron-Core's MoE layer trains with tensor parallelism only under sequence parallelism)")
     if moe.num_experts % groups.ep_size:
         raise ValueError(f"model.moe.num_experts ({moe.num_experts}) must be divisible by parallel.ep={groups.ep_size}")
     if moe.ffn_hidden_size % groups.etp_size:
         raise ValueError(f"model.moe.ffn_hidden_size ({moe.ffn_hidden_size}) must be divisible by "
                          f"parallel.etp={groups.etp_size}")
+    if moe.dispatcher() == "alltoall" and groups.etp_size > 1 and _backend(groups.etp) == "gloo":
+        raise ValueError(f"model.moe.token_dispatcher: alltoall with parallel.etp={groups.etp_size} needs NCCL: the "
+                         "dispatcher all-gathers uneven token counts over the expert-tensor-parallel ranks, which gloo "
+                         "(the CPU backend) cannot; set model.moe.token_dispatcher: allgather or parallel.etp: 1")
     shared = moe.shared_expert_ffn_hidden_size
     if shared is not None and shared % groups.tp_size:
         raise ValueError(f"model.moe.shared_expert_ffn_hidden_size ({shared}) must be divisible by parallel.tp="
@@ -132,6 +139,12 @@ def _moe_settings(cfg: ModelConfig, groups: ParallelGroups, impl: str) -> dict[s
         expert_model_parallel_size=groups.ep_size,
         expert_tensor_parallel_size=groups.etp_size,
     )
+
+
+def _backend(group) -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group))
 
 
 def _fp8_settings(fp8: Fp8Config | None) -> dict[str, Any]:
@@ -167,8 +180,36 @@ def _layer_spec(cfg: ModelConfig, groups: ParallelGroups, config, vp_stage: int 
     return _local_block_spec(cfg, groups, config, vp_stage)
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built the way Megatron-Core builds a norm (config, hidden_size, eps), for the
+    local layers under sequence parallelism, where Megatron-Core's torch norm wrapper refuses to
+    build (WrappedTorchNorm asserts). Each tensor-parallel rank normalises its slice of the
+    sequence with the same weight; the weight is tagged `sequence_parallel` (when the config is),
+    so finalize_model_grads sums its gradient over the TP ranks, as it does for Transformer
+    Engine's norms (untagged, a dense tp2 run of tools/check_parallel_parity.py ended 2.3e-2 away
+    from the one-process weights after 3 steps; tagged, 4e-7). Query/key norms (head_dim wide) see the whole sequence and are summed by their
+    names there: they take `tag=False`."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, tag: bool = True, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        if tag and config.sequence_parallel:
+            setattr(self.weight, "sequence_parallel", True)
+
+
+class _HeadRMSNorm(SequenceParallelRMSNorm):
+    """A query/key norm under sequence parallelism: untagged (SequenceParallelRMSNorm). A class, not a
+    function: Megatron-Core's build_module returns a plain function as the module itself, unbuilt."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        super().__init__(config, hidden_size, eps, tag=False, **kwargs)
+
+
+_head_rms_norm = _HeadRMSNorm
+
+
 def _local_block_spec(cfg: ModelConfig, groups: ParallelGroups, config, vp_stage: int | None):
-    """The CPU path's block: local layers, our attention, torch norms.
+    """The CPU path's block: local layers, our attention, torch norms (SequenceParallelRMSNorm
+    under sequence parallelism).
 
     The block is spelled out because Megatron-Core picks the final norm of a block built from a
     layer spec by what is installed (Transformer Engine's when it is), and TE's norm needs CUDA:
@@ -189,14 +230,21 @@ def _local_block_spec(cfg: ModelConfig, groups: ParallelGroups, config, vp_stage
         # attends over the all-gathered K/V with the causal mask on global zigzag positions, within
         # each packed sequence.
         spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+        if groups.sequence_parallel:
+            layer = spec.submodules
+            layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+            if cfg.qk_layernorm:
+                layer.self_attention.submodules.q_layernorm = _head_rms_norm
+                layer.self_attention.submodules.k_layernorm = _head_rms_norm
         return spec
 
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
     shape = cfg.decoder_shape
     specs = {moe_layer: local_spec(moe_layer) for moe_layer in {shape.is_moe_layer(offset + j) for j in range(num_layers)}}
+    final_norm = SequenceParallelRMSNorm if groups.sequence_parallel else WrappedTorchNorm
     return TransformerBlockSubmodules(layer_specs=[specs[shape.is_moe_layer(offset + j)] for j in range(num_layers)],
-                                      layer_norm=WrappedTorchNorm)
+                                      layer_norm=final_norm)
 
 
 def initial_weights(cfg: ModelConfig, seed: int) -> WeightSource:
@@ -269,6 +317,7 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
     model.unpadded_vocab_size = cfg.vocab_size  # export strips the padding rows
     model.neutral_shapes = neutral_weight_shapes(cfg)  # full shapes, for loading and streaming export
     _mark_tensor_parallel_params(model, cfg.tie_embeddings)
+    _mark_expert_params(model, cfg.tie_embeddings, config)
     # The local spec's torch norms ignore params_dtype (Megatron's Float16Module would cast them).
     for param in model.parameters():
         if param.dtype != cfg.torch_params_dtype:
@@ -299,6 +348,24 @@ def _mark_tensor_parallel_params(model, tied: bool) -> None:
             slot.param.tensor_model_parallel = True
             slot.param.partition_dim = SPLIT_DIM[slot.layout]
             slot.param.partition_stride = 1
+
+
+def _mark_expert_params(model, tied: bool, config) -> None:
+    """Mark every routed expert's weight as an expert-parallel parameter (Megatron's `allreduce =
+    False`) on every expert layout, ep = 1 included. DDP then reduces their gradients over the
+    expert-data-parallel group (with ep = 1 and etp = tp the same ranks as the dense layers' DP x
+    CP), and Megatron's optimizer steps them in an optimizer of their own (the expert groups'),
+    so a MoE model's optimizer is always the same chain of two and its checkpoints load across
+    expert layouts (a chain of one at ep = 1 could not read the chain of two that ep = 2 writes).
+    megatron-core 0.16.1 marks them only when expert_model_parallel_size > 1 (0.19 also when
+    expert_tensor_parallel_size != tensor_model_parallel_size); with parallel.ep=1, parallel.etp=2,
+    tp=1 its DDP averaged the two expert-TP halves as if they were replicas (measured with
+    tools/check_parallel_parity.py --layouts etp2: weights 0.12 off the one-process run)."""
+    if config.num_moe_experts is None:
+        return
+    for slot in parameter_slots(model, tied):
+        if slot.expert:
+            slot.param.allreduce = False
 
 
 def _output_layer_in_float32(layer) -> None:

@@ -6,8 +6,9 @@ the choice is checked when a recipe is loaded for a run here (train, score, expo
 a model is built, and `plan` must not make it (it plans a cluster from a machine without GPUs).
 
 A CUDA machine without an importable Transformer Engine is an error naming the fix, never a
-silent fall back to the local layers (no fused kernels, no FP8, no sequence parallelism, an L x L
-float32 score matrix per head). FP8 recipes are checked against the GPU by Transformer Engine's
+silent fall back to the local layers (no fused kernels, no FP8, an L x L float32 score matrix per
+head). Both run sequence parallelism: the local layers with the sequence-parallel RMSNorm of
+model/build.py (Megatron-Core's torch norm wrapper refuses it). FP8 recipes are checked against the GPU by Transformer Engine's
 own rules (fp8_recipe_unsupported), then by the installed Transformer Engine's check functions.
 """
 from __future__ import annotations
@@ -18,10 +19,6 @@ import torch
 
 from .config import ModelConfig, TransformerImpl
 
-SEQUENCE_PARALLEL_NEEDS_TE = (
-    "parallel.sequence_parallel needs Transformer Engine's layers (model.transformer_impl: transformer_engine, "
-    "on a CUDA machine with transformer_engine): Megatron-Core's torch norms cannot split the sequence over "
-    "tensor-parallel ranks; set parallel.sequence_parallel: false for the local layers")
 TE_INSTALL = "pip install -e .[te]"
 
 
@@ -63,7 +60,7 @@ def resolve_transformer_impl(requested: TransformerImpl | None) -> TransformerIm
 
     Raises ValueError when the choice cannot be built here: Transformer Engine without CUDA, or
     CUDA with a Transformer Engine that does not import (the local layers are slow on a GPU: no
-    fused kernels, no FP8 or sequence parallelism, an L x L float32 score matrix per head).
+    fused kernels, no FP8, an L x L float32 score matrix per head).
     """
     cuda = torch.cuda.is_available()
     impl = requested or ("transformer_engine" if cuda else "local")
@@ -80,7 +77,7 @@ def resolve_transformer_impl(requested: TransformerImpl | None) -> TransformerIm
         raise ValueError(f"Transformer Engine does not import on this CUDA machine ({problem}), and {why}: install "
                          f"it with `{TE_INSTALL}` (offline GPU machines: stage it as the README's GPU check says), or "
                          "set model.transformer_impl: local to use Megatron-Core's torch layers on the GPU (slower: "
-                         "no fused kernels, no FP8, no sequence parallelism)")
+                         "no fused kernels, no FP8)")
     return impl
 
 
@@ -97,10 +94,10 @@ def _transformer_engine_import_error() -> str | None:
 def check_layers_here(cfg: ModelConfig, *, sequence_parallel: bool) -> TransformerImpl:
     """What building `cfg` in this process needs, checked before anything is built (recipe load for
     train, score and export; `plan` skips it): the layers (resolve_transformer_impl), Transformer
-    Engine's for sequence parallelism and FP8, and an FP8 recipe this GPU runs. Returns the layers."""
+    Engine's for FP8, and an FP8 recipe this GPU runs. Returns the layers. Sequence parallelism runs
+    on both (the local layers take model/build.py's sequence-parallel RMSNorm); the argument stays
+    for the callers that pass the layout."""
     impl = resolve_transformer_impl(cfg.transformer_impl)
-    if sequence_parallel and impl != "transformer_engine":
-        raise ValueError(SEQUENCE_PARALLEL_NEEDS_TE)
     if cfg.fp8 is not None:
         if impl != "transformer_engine":
             raise ValueError("model.fp8 needs Transformer Engine's layers on a CUDA machine, and this process has no "

@@ -5,7 +5,8 @@ CPU-only torch build each of them raises ("Torch not compiled with CUDA enabled"
 assertion). Measured on megatron-core 0.16.1 (and 0.19.2 with CUDA hidden) with GPTModel (local
 layer spec), TP 1/2, PP 2 through `get_forward_backward_func`, CP 2 (with our
 ContextParallelAttention), DDP, and `get_megatron_optimizer` with Adam in fp32, bf16 and as the
-distributed optimizer, every patch below is hit, and the run fails without it:
+distributed optimizer (and, for 12. and 13., MoE layers under EP 1/2), every patch below is hit,
+and the run fails without it:
 
 1. `torch.cuda.current_device()` is the device of new tensors (rotary frequencies, TP
    all-gather buffers, pipeline shape buffers, DDP grad buffers): it returns "cpu".
@@ -51,12 +52,21 @@ distributed optimizer, every patch below is hit, and the run fails without it:
    Transformer Engine's `te_general_gemm` when it is not None, a CUDA kernel; without TE,
    megatron-core 0.16.1 never defines the name (NameError). It is set to None, so the router
    multiplies with torch's mm in the router dtype (what the function does without TE).
+13. The alltoall token dispatcher (model.moe.token_dispatcher: alltoall): it creates a CUDA stream
+   for its device-to-host copies of the split sizes (`torch.cuda.Stream()` at construction) and
+   records an event on it; the dispatcher's stream becomes the stand-in of 6. (the same object
+   as the "current" stream, so nothing waits), whose events are complete when recorded. Its
+   `maybe_move_tensor_to_cpu` leaves CPU tensors as they are, and gloo's all_to_all then rejects
+   the split-size tensors (TypeError: incompatible function arguments): CPU split sizes become
+   the int64 numpy arrays the GPU path makes. What gloo itself cannot do (the uneven all-gather
+   of alltoall with expert tensor parallelism) is refused when the model is built (model/build.py).
 
 Everything here is process-global and only ever installed when `torch.cuda.is_available()` is
 False, so GPU runs execute Megatron-Core unmodified. The torch function mode is thread-local:
 call `enable_cpu_megatron()` in the thread that runs the model (the main thread).
-Not covered (not needed on CPU): CUDA graphs, sequence parallelism (torch norms reject it),
-Transformer Engine and apex fused kernels.
+Not covered (not needed on CPU): CUDA graphs, Transformer Engine and apex fused kernels (TEGroupedMLP
+and the alltoall dispatcher's permute fusion among them). Sequence parallelism needs nothing here:
+model/build.py gives the local layers a norm that accepts it (SequenceParallelRMSNorm).
 """
 from __future__ import annotations
 
@@ -85,6 +95,7 @@ def enable_cpu_megatron() -> bool:
         _use_torch_optimizer_kernels()
         _recompute_on_cpu()
         _router_gemm_in_torch()
+        _alltoall_dispatcher_on_cpu()
         _enabled = True
     return True
 
@@ -96,12 +107,34 @@ def _router_gemm_in_torch() -> None:
     moe_utils.te_general_gemm = None
 
 
+def _alltoall_dispatcher_on_cpu() -> None:
+    """13. in the module docstring."""
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NULL_STREAM
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor):
+            return np.asarray(tensor.tolist(), dtype=np.int64)
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def _cpu_current_device() -> str:
     return "cpu"
 
 
 def _no_synchronize(device=None) -> None:
     return None
+
+
+class _NullEvent:
+    """A CUDA event stand-in: recorded CPU work is already complete."""
+
+    def synchronize(self) -> None:
+        return None
 
 
 class _NullStream:
@@ -113,9 +146,15 @@ class _NullStream:
     def wait_event(self, event) -> None:
         return None
 
+    def record_event(self, event=None) -> _NullEvent:
+        return _NullEvent()
+
+
+_NULL_STREAM = _NullStream()  # one "current stream", so a stream compared with it is the same stream
+
 
 def _null_stream(device=None) -> _NullStream:
-    return _NullStream()
+    return _NULL_STREAM
 
 
 def _is_cuda(device) -> bool:

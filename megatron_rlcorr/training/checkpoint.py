@@ -8,15 +8,16 @@ version, the optimizer and its format); `checkpoints/latest` names the newest co
 What a checkpoint holds:
 
 - model: every chunk's `sharded_state_dict()`: each tensor under its global name (layer numbers
-  counted over the whole model, not the pipeline stage) with the slice this rank holds, so a
-  loading rank reads the slice of its own TP / PP / VPP layout whatever layout wrote it. The
+  counted over the whole model, not the pipeline stage; routed experts under their global expert
+  index) with the slice this rank holds, so a loading rank reads the slice of its own TP / PP /
+  VPP / EP / ETP layout whatever layout wrote it. The
   padded vocabulary changes with TP; Megatron marks the embedding and output rows as
   shape-tolerant and loads the rows both layouts have.
 - optimizer: Megatron's optimizer state, per parameter for plain Adam. The distributed
   optimizer's in one of Megatron's two formats (`trainer.optimizer_checkpoint_format`):
   `dp_reshardable` (the default), each rank writes its own flat shard of the float32 master
   weights and Adam moments, nothing gathered: host memory at save is the rank's shard, and it
-  loads on the same TP / PP / CP / VPP layout with any DP size; `fully_reshardable`, the shards
+  loads on the same TP / PP / CP / VPP (and EP / ETP) layout with any DP size; `fully_reshardable`, the shards
   of each data-parallel group are all-gathered and written as canonical per-parameter tensors
   (every rank briefly holds its model-parallel slice's whole optimizer state in float32, x 3),
   which loads on any layout. Megatron-LM makes the same choice (--dist-ckpt-optim-fully-
@@ -72,8 +73,9 @@ LEGACY_RANK_FILE = "rank_{rank:05d}.pt"
 OptimizerFormat = Literal["dp_reshardable", "fully_reshardable"]
 # What checkpoints without a record (before checkpoint.json) were written in.
 UNRECORDED_FORMAT = "fully_reshardable"
-# The layout keys a dp_reshardable optimizer state depends on (its DP size may change).
-MODEL_PARALLEL_KEYS = ("tp", "pp", "cp", "vpp")
+# The layout keys a dp_reshardable optimizer state depends on (its DP size may change; the experts' state is
+# sharded over the expert-data-parallel group, which ep and etp change).
+MODEL_PARALLEL_KEYS = ("tp", "pp", "cp", "vpp", "ep", "etp")
 # The first release that keeps the common state inside the .distcp files (no common.pt).
 COMMON_IN_DISTCP = "0.19"
 
@@ -147,13 +149,16 @@ def check_readable(directory: Path, installed: str | None = None) -> None:
 
 def check_optimizer_format(directory: Path, layout: dict[str, Any]) -> None:
     """ValueError when the checkpoint's distributed-optimizer state is in the DP-sharded format
-    and `layout` differs from the one that wrote it in TP, PP, CP or VPP."""
+    and `layout` differs from the one that wrote it in TP, PP, CP, VPP, EP or ETP."""
     record, saved = saved_record(directory), saved_layout(directory)
     if record is None or record.get("optimizer") != "distributed" or saved is None:
         return
     if record["optimizer_format"] != "dp_reshardable":
         return
-    changed = [key for key in MODEL_PARALLEL_KEYS if saved.get(key) != layout.get(key)]
+    # A layout without ep / etp (dense, or ep = etp = 1: ParallelSettings.layout) has 1 of each.
+    defaults = {"ep": 1, "etp": 1}
+    changed = [key for key in MODEL_PARALLEL_KEYS
+               if saved.get(key, defaults.get(key)) != layout.get(key, defaults.get(key))]
     if changed:
         raise ValueError(f"checkpoint {directory} holds the distributed optimizer's state in the DP-sharded format "
                          f"(trainer.optimizer_checkpoint_format=dp_reshardable), which loads with another DP size "

@@ -19,6 +19,12 @@
   the forward pre-hooks of the next forward. Deferred means stale: `sync_params` gathers them
   before anything reads the weights outside a forward (weight export to the rollout engine,
   checkpoints, Hugging Face export);
+- mixture-of-experts models: the routed experts' weights are expert-parallel parameters
+  (model/build.py marks them at every expert layout): DDP keeps their gradients in buffers of their
+  own, reduced over the expert-data-parallel group, and Megatron's optimizer is a chain of two, the
+  dense parameters' over DP x CP and the experts' over the expert groups (both from the
+  `pg_collection`, which carries Megatron-Core's expert groups); its grad norm combines the two, so
+  clipping sees the whole model's norm;
 - `OptimizerParamScheduler`: linear warm-up from 0, then constant / linear / cosine decay to
   min_lr at `total_steps` (Megatron's convention: update k, counted from 0, uses the lr of step k,
   so with warm-up the first update has lr 0).
@@ -151,11 +157,16 @@ def _wrap_ddp(chunk, optim: OptimSettings, groups: ParallelGroups, *, first: boo
 
 def _full_param_layout(chunk, ddp_config, groups: ParallelGroups, bucket_size: int | None):
     """The distributed optimizer's padded layout of `chunk`'s trainable parameters in DDP's
-    buffers: shards over DP x CP (no expert parallelism here)."""
+    buffers: shards over DP x CP, the routed experts' over the expert-data-parallel group (the
+    ranks holding the same expert shards). Without that size megatron-core 0.19 lays the experts
+    out for DP x CP and DDP refuses the layout (measured at ep2 on two ranks: "Parameter layout was
+    built for 2 optimizer shards but the buffer's data-parallel group has 1 ranks")."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     params = [p for p in chunk.parameters() if p.requires_grad]
-    return DistributedOptimizer.compute_full_param_layout(params, bucket_size, groups.dp_cp_size, ddp_config)
+    edp = groups.dp_cp_size if groups.edp is None else dist.get_world_size(groups.edp)
+    return DistributedOptimizer.compute_full_param_layout(params, bucket_size, groups.dp_cp_size, ddp_config,
+                                                          expert_data_parallel_world_size=edp)
 
 
 def optimizer_config(model_cfg: ModelConfig, optim: OptimSettings):

@@ -166,6 +166,21 @@ def test_a_dp_sharded_optimizer_state_resumes_only_on_its_model_parallel_layout(
         _check(tmp_path, TP2, distributed_optimizer=True)
 
 
+def test_a_dp_sharded_optimizer_state_resumes_only_on_its_expert_layout(tmp_path):
+    """The experts' optimizer state is sharded over the expert-data-parallel group, which ep and etp
+    change; a layout without them (ParallelSettings.layout at ep = etp = 1) means 1 of each."""
+    record = {"megatron_core": checkpoint.megatron_core_version(), "optimizer": "distributed",
+              "optimizer_format": "dp_reshardable"}
+    ep2 = {**DP2, "ep": 2, "etp": 1}
+    _distributed_checkpoint(tmp_path, 4, record=record, layout=ep2)
+    _check(tmp_path, ep2, distributed_optimizer=True)
+    for other, changed in (({**DP2, "ep": 4, "etp": 1}, "ep"), (DP2, "ep"), ({**DP2, "ep": 2, "etp": 2}, "etp")):
+        with pytest.raises(ValueError, match=f"not with another {changed}:"):
+            _check(tmp_path, other, distributed_optimizer=True)
+    (checkpoint.checkpoint_dir(tmp_path, 4) / checkpoint.LAYOUT_FILE).write_text(json.dumps(DP2))
+    _check(tmp_path, {**DP2, "ep": 1, "etp": 1}, distributed_optimizer=True)  # ep = etp = 1 spelled out
+
+
 def test_the_asynchronous_writer_is_megatrons_own_on_every_version():
     """0.17+ default to async_strategy="nvrx" (nvidia-resiliency-ext); 0.16 has no such argument."""
     from megatron.core import dist_checkpointing

@@ -37,3 +37,52 @@ def test_tp4_needs_more_query_groups_than_the_old_fixed_model():
 def test_bad_layout_names(name, message):
     with pytest.raises(ValueError, match=message):
         tool.parse_layout(name)
+
+
+@pytest.mark.parametrize("name, sizes", [
+    ("ep2", dict(dp=2, ep=2, etp=1)),                    # dp follows: ep*etp must divide tp*cp*dp
+    ("pp2ep2", dict(pp=2, dp=2, ep=2)),
+    ("tp2ep2", dict(tp=2, dp=1, ep=2)),                  # the EP ranks are the TP ranks
+    ("tp2dp2ep2", dict(tp=2, dp=2, ep=2)),
+    ("ep2etp2", dict(dp=4, ep=2, etp=2)),
+    ("etp2", dict(dp=2, ep=1, etp=2)),
+])
+def test_expert_layouts(name, sizes):
+    layout = tool.parse_layout(name)
+    assert {key: layout[key] for key in sizes} == sizes
+    assert tool.is_moe_layout(layout)
+    assert tool.world_size(layout) == layout["tp"] * layout["pp"] * layout["cp"] * layout["dp"]
+
+
+def test_a_dp_too_small_for_the_expert_groups_is_refused():
+    with pytest.raises(ValueError, match=r"ep\*etp = 4 must divide tp\*cp\*dp = 2"):
+        tool.parse_layout("dp2ep4")
+    assert not tool.is_moe_layout(tool.parse_layout("tp2pp2"))
+
+
+@pytest.mark.parametrize("kind", [None, *tool.MOE_KINDS])
+def test_tiny_moe_model_fits_the_expert_layouts(kind):
+    names = ["ep2", "tp2ep2", "pp2ep2", "ep4", "ep2etp2"]
+    model = tool.tiny_model([tool.parse_layout(name) for name in names] + [tool.parse_layout("tp1")], kind)
+    cfg = ModelConfig(**model)
+    if kind is None:
+        assert cfg.moe is None
+        return
+    moe = cfg.moe
+    assert moe.num_experts % 4 == 0 and moe.router_topk == 2 and moe.dense_layers == (0,)
+    assert moe.ffn_hidden_size % 2 == 0  # etp2
+    assert [cfg.decoder_shape.is_moe_layer(i) for i in range(cfg.num_layers)] == [False] + [True] * (cfg.num_layers - 1)
+    shared = moe.shared_expert_ffn_hidden_size
+    assert (shared is not None) == (kind == "shared")
+    if shared is not None:
+        assert shared % 2 == 0  # tp2
+
+
+def test_moe_with_tensor_parallelism_runs_sequence_parallel():
+    import argparse
+
+    plain = argparse.Namespace(sequence_parallel=False, moe=None)
+    assert not tool.sequence_parallel(tool.parse_layout("tp2"), plain)
+    assert tool.sequence_parallel(tool.parse_layout("tp2"), argparse.Namespace(sequence_parallel=True, moe=None))
+    assert tool.sequence_parallel(tool.parse_layout("tp2ep2"), argparse.Namespace(sequence_parallel=False, moe="routed"))
+    assert not tool.sequence_parallel(tool.parse_layout("ep2"), argparse.Namespace(sequence_parallel=False, moe="routed"))

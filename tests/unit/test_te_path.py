@@ -32,6 +32,7 @@ CFG = dict(vocab_size=1000, hidden_size=128, num_layers=2, num_attention_heads=8
 class _Layout:
     """What transformer_config reads of ParallelGroups."""
     tp_size, pp_size, cp_size, vpp_size, pp_rank, tp_rank = 2, 1, 1, None, 0, 0
+    ep_size, etp_size = 1, 1
 
     def __init__(self, sequence_parallel=False):
         self.sequence_parallel = sequence_parallel
@@ -159,13 +160,39 @@ def test_sequence_parallel_reaches_the_transformer_config(monkeypatch):
     assert build.transformer_config(cfg, _Layout(False)).sequence_parallel is False
 
 
-def test_sequence_parallel_with_the_local_layers_is_a_clear_error(monkeypatch):
+def test_sequence_parallel_with_the_local_layers_uses_the_sequence_parallel_norm(monkeypatch):
+    """The local layers run sequence parallelism with SequenceParallelRMSNorm (Megatron's torch norm
+    wrapper refuses it): every hidden-size norm's weight is tagged for the TP all-reduce of its
+    gradient, the query/key norms (summed by name) are not; without SP the block keeps Megatron's."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     _cuda(monkeypatch, False)  # the CPU default: local layers
-    with pytest.raises(ValueError, match="parallel.sequence_parallel needs Transformer Engine"):
-        build.transformer_config(ModelConfig(**CFG), _Layout(True))
-    _fake_transformer_engine_layers(monkeypatch)
-    with pytest.raises(ValueError, match="parallel.sequence_parallel needs Transformer Engine"):
-        build.transformer_config(ModelConfig(**CFG, transformer_impl="local"), _Layout(True))
+    cfg = ModelConfig(**CFG, qk_layernorm=True)
+    config = build.transformer_config(cfg, _Layout(True))
+    assert config.sequence_parallel is True
+    block = build._local_block_spec(cfg, _Layout(True), config, None)
+    assert block.layer_norm is build.SequenceParallelRMSNorm
+    layer = block.layer_specs[0].submodules
+    assert layer.input_layernorm is layer.pre_mlp_layernorm is build.SequenceParallelRMSNorm
+    norm = layer.input_layernorm(config, 16, eps=1e-6)
+    assert norm.weight.sequence_parallel is True and norm.eps == 1e-6
+    head_norm = layer.self_attention.submodules.q_layernorm(config, 8, eps=1e-6)
+    assert not hasattr(head_norm.weight, "sequence_parallel")
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (16,), eps=1e-6))
+    plain = build.transformer_config(cfg, _Layout(False))
+    assert build._local_block_spec(cfg, _Layout(False), plain, None).layer_norm is WrappedTorchNorm
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism(monkeypatch):
+    """Megatron-Core's MoE layer trains under TP only with sequence parallelism: refused at build
+    time with the fix, built with it (the local layers on the CPU)."""
+    _cuda(monkeypatch, False)
+    cfg = ModelConfig(**CFG, moe=dict(num_experts=4, router_topk=2, ffn_hidden_size=64, dense_layers=[0]))
+    with pytest.raises(ValueError, match="model.moe with parallel.tp=2 needs parallel.sequence_parallel: true"):
+        build.transformer_config(cfg, _Layout(False))
+    config = build.transformer_config(cfg, _Layout(True))
+    assert config.sequence_parallel is True and config.num_moe_experts == 4 and config.moe_layer_freq == [0, 1]
 
 
 # ---- Megatron-LM's GPU defaults --------------------------------------------------------------------
