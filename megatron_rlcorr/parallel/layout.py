@@ -20,7 +20,7 @@ class ParallelSettings:
     pp: int = 1                      # pipeline stages (1F1B); num_layers divisible by pp * vpp; >= 1
     cp: int = 1                      # context-parallel size: each sequence in 2*cp zigzag chunks over cp ranks; >= 1
     vpp: int | None = None           # virtual pipeline stages per rank (interleaved 1F1B); needs pp > 1; None: off
-    sequence_parallel: bool = False  # activations outside attention/MLP split over TP; needs tp > 1, TE (GPU)
+    sequence_parallel: bool = False  # activations outside attention/MLP split over TP; needs tp > 1 (MoE with tp > 1: required)
     # Expert parallelism (MoE models, model.moe): each MoE layer's experts split over ep ranks, each expert's
     # weights over etp ranks (expert tensor parallelism). The ranks of one pipeline stage (tp * cp * dp) are
     # regrouped as etp x ep x expert-data-parallel, so tp * cp * dp must be divisible by ep * etp.
