@@ -51,10 +51,4 @@ class ParallelSettings:
             raise ValueError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*"
                              f"{self.cp} = {self.model_parallel_size}; launch a multiple of {self.model_parallel_size} "
                              f"processes or change parallel.tp/pp/cp")
-        dp = world_size // self.model_parallel_size
-        expert = self.ep * self.etp
-        if (self.tp * self.cp * dp) % expert:
-            raise ValueError(f"parallel: ep*etp = {self.ep}*{self.etp} = {expert} must divide the {self.tp * self.cp * dp} "
-                             f"ranks of a pipeline stage (tp*cp*dp = {self.tp}*{self.cp}*{dp}); launch more processes "
-                             "or lower parallel.ep / parallel.etp")
-        return dp
+        return world_size // self.model_parallel_size
