@@ -315,6 +315,7 @@ def build_gpt_model(cfg: ModelConfig, groups: ParallelGroups, *, pre_process: bo
         vp_stage=vp_stage,
     )
     model.unpadded_vocab_size = cfg.vocab_size  # export strips the padding rows
+    forget_router_replays(getattr(m, "router_replay", None) for m in model.modules())
     model.neutral_shapes = neutral_weight_shapes(cfg)  # full shapes, for loading and streaming export
     _mark_tensor_parallel_params(model, cfg.tie_embeddings)
     _mark_expert_params(model, cfg.tie_embeddings, config)
@@ -421,6 +422,19 @@ def _seed_megatron_rng(seed: int, groups: ParallelGroups) -> None:
 class _GPTModelDeprecationFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "GPTModel IS DEPRECATED" not in record.getMessage()
+
+
+def forget_router_replays(replays) -> None:
+    """Take RouterReplay objects out of Megatron-Core's class-wide instance list (by identity). Its
+    static methods would drive every model of the process at once (the policy, the reference, eval's);
+    training/routing_replay.py drives each model's routers itself, and a model dropped (a test, a
+    rebuilt reference) must not stay referenced there."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    gone = {id(r) for r in replays if r is not None}
+    if gone:
+        instances = RouterReplay.global_router_replay_instances
+        instances[:] = [r for r in instances if id(r) not in gone]
 
 
 def _drop_gptmodel_deprecation() -> None:

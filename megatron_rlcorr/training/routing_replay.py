@@ -53,6 +53,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..model.build import forget_router_replays
+
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
     from .microbatches import MicroBatchPlan
@@ -95,7 +97,7 @@ def _replay_router_class():
 
         def __init__(self, driver: "RoutingReplay", moe_index: int) -> None:
             super().__init__()
-            _forget(self)  # not in the global list (module docstring)
+            forget_router_replays([self])  # not in the global list (module docstring)
             self.driver, self.moe_index = driver, moe_index
             self.forward_target: torch.Tensor | None = None   # int64 [N, k], -1: free
             self.forward_stats: tuple | None = None            # (engine [N, k], compare [N], valid [N])
@@ -133,14 +135,6 @@ def _replay_router_class():
     return ReplayRouter
 
 
-def _forget(instance: Any) -> None:
-    """Take a RouterReplay out of Megatron's global instance list (identity, not equality)."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    instances = RouterReplay.global_router_replay_instances
-    instances[:] = [r for r in instances if r is not instance]
-
-
 class RoutingReplay:
     """The routing replay of one model (its chunks): the routers, the running pass, the metric sums."""
 
@@ -161,8 +155,7 @@ class RoutingReplay:
                 replay = getattr(module, "router_replay", None)
                 if replay is None or not hasattr(module, "layer_number"):
                     continue
-                if not isinstance(replay, cls):
-                    _forget(replay)
+                if not isinstance(replay, cls):  # (model/build.py took Megatron's own out of its global list)
                     replay = module.router_replay = cls(self, self.moe_layers.index(module.layer_number - 1))
                 mine.append(replay)
             self.routers[id(chunk)] = sorted(mine, key=lambda r: r.moe_index)
