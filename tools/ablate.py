@@ -277,7 +277,8 @@ def train(run: Run, recipe: str, nproc: int) -> float:
         log.write("+ " + " ".join(cmd) + "\n")
         log.flush()
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     if code != 0:
         tail = (run.out_dir / "train.log").read_text()[-3000:]
         raise RuntimeError(f"run {run.label} failed (exit {code}); the end of {run.out_dir / 'train.log'}:\n{tail}")

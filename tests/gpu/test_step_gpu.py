@@ -216,7 +216,8 @@ def test_twenty_step_training_run_with_fp8_rollouts(tmp_path):
     FP8-quantised weights (the mismatch the correction handles), packed micro-batches."""
     require_transformer_engine()
     nccl_or_skip(1)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The machine's own PYTHONPATH stays (offline GPU machines put Transformer Engine there)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
            "megatron_rlcorr.train", "--config", str(ROOT / "recipes" / "tiny_cpu.yaml"), "name=gpu_fp8_rollouts",
            f"trainer.output_dir={tmp_path}", "trainer.steps=20", "trainer.save_every=0", "model.bf16=true",
