@@ -167,26 +167,42 @@ def report_bad_input(what: str, err: Exception) -> int:
 
 
 @contextmanager
-def process_groups(parallel: ParallelSettings, *, timeout_minutes: int, rollout_tp: int = 1
-                   ) -> Iterator[ParallelGroups]:
+def process_groups(parallel: ParallelSettings, *, timeout_minutes: int, rollout_tp: int = 1,
+                   rollout_ranks: int = 0) -> Iterator[ParallelGroups]:
     """The parallel groups of `parallel` (and rollout groups of `rollout_tp` ranks) on this
     torchrun world, torn down on exit. Every group
     (the default one and Megatron-Core's) gets the collective timeout `timeout_minutes`
-    (trainer.timeout_minutes: generating 20k-token responses can outlast torch's 10 minutes)."""
+    (trainer.timeout_minutes: generating 20k-token responses can outlast torch's 10 minutes).
+
+    `rollout_ranks` R > 0 (rollout.placement: separate): the launch is cut in two roles
+    (parallel/world.py). The trainer ranks get the groups of `parallel` over their own world; the
+    last R ranks, which only generate, get rollout groups of `rollout_tp` over theirs (and a
+    trivial model layout). Either way `groups.launch` says which role this rank plays."""
     with quiet_known_warnings():  # first: Megatron-Core is imported below, and warns as it is
         from .parallel.cpu import enable_cpu_megatron
         from .parallel.groups import build_parallel_groups, destroy_parallel_groups
+        from .parallel.world import split_world
 
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        launch = None
+        if rollout_ranks:
+            launch = split_world(rollout_ranks, backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
         try:
             enable_cpu_megatron()
-            groups = build_parallel_groups(parallel.tp, parallel.pp, parallel.cp, parallel.vpp,
-                                           sequence_parallel=parallel.sequence_parallel,
-                                           timeout_minutes=timeout_minutes, rollout_tp=rollout_tp,
-                                           ep=parallel.ep, etp=parallel.etp)
+            if launch is not None and launch.role == "rollout":
+                groups = build_parallel_groups(1, 1, 1, timeout_minutes=timeout_minutes, rollout_tp=rollout_tp,
+                                               launch=launch)
+            else:
+                groups = build_parallel_groups(parallel.tp, parallel.pp, parallel.cp, parallel.vpp,
+                                               sequence_parallel=parallel.sequence_parallel,
+                                               timeout_minutes=timeout_minutes,
+                                               rollout_tp=1 if launch is not None else rollout_tp,
+                                               ep=parallel.ep, etp=parallel.etp, launch=launch)
             try:
                 yield groups
             finally:

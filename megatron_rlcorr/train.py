@@ -2,7 +2,8 @@
 
 The recipe is loaded and validated (keys, types, correction block, layout for WORLD_SIZE, task)
 before any process group exists: a bad recipe stops every rank with one message and exit code 2
-(runtime.report_bad_input). Then: the process groups of the recipe's layout, training.
+(runtime.report_bad_input). Then: the process groups of the recipe's layout, training. With
+rollout.placement: separate the last rollout.num_ranks ranks generate instead (rl/async_rollout.py).
 """
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_and_check(config: str, overrides: list[str], world_size: int) -> Recipe:
-    """The validated recipe; ValueError naming the key and the fix otherwise."""
+    """The validated recipe for a launch of `world_size` ranks (the trainer's layout counts the
+    ranks that train: rollout.placement separate keeps the last rollout.num_ranks apart);
+    ValueError naming the key and the fix otherwise."""
     recipe = load_recipe(config, overrides)
+    world_size = recipe.rollout.trainer_world(world_size)
     recipe.check_layout(world_size)
     if recipe.trainer.resume:
         check_resumable(recipe.run_dir, recipe.parallel.layout(world_size),
@@ -44,11 +48,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(recipe: Recipe) -> int:
+    rollout = recipe.rollout
     with process_groups(recipe.parallel, timeout_minutes=recipe.trainer.timeout_minutes,
-                        rollout_tp=recipe.rollout.tensor_parallel_size) as groups:
-        from .rl.trainer import train  # inside: Megatron-Core's import-time warnings are filtered (runtime.py)
+                        rollout_tp=rollout.tensor_parallel_size,
+                        rollout_ranks=rollout.num_ranks if rollout.separate else 0) as groups:
+        from .rl.async_rollout import run_rollout_worker  # inside: Megatron-Core's import-time warnings are
+        from .rl.trainer import train                     # filtered (runtime.py)
 
-        train(recipe, groups)
+        if groups.launch is not None and groups.launch.role == "rollout":
+            run_rollout_worker(recipe, groups)  # rollout.placement separate: this rank only generates
+        else:
+            train(recipe, groups)
     return 0
 
 

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from .world import LaunchWorld
+
 
 @dataclass(frozen=True)
 class ParallelGroups:
@@ -54,6 +56,9 @@ class ParallelGroups:
     ep: dist.ProcessGroup | None = None
     etp: dist.ProcessGroup | None = None
     edp: dist.ProcessGroup | None = None
+    # rollout.placement: separate: this rank's role in the launch and the groups between the roles
+    # (parallel/world.py); the groups above then span this role's ranks only. None: colocated.
+    launch: LaunchWorld | None = None
 
     @property
     def tp_size(self) -> int:
@@ -126,13 +131,14 @@ class ParallelGroups:
 
 def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, sequence_parallel: bool = False,
                           timeout_minutes: int | None = None, rollout_tp: int = 1, ep: int = 1,
-                          etp: int = 1) -> ParallelGroups:
+                          etp: int = 1, launch: LaunchWorld | None = None) -> ParallelGroups:
     """Create Megatron-Core's model-parallel groups for this world (expert groups of `ep` x `etp`
     too), and the rollout groups of `rollout_tp` ranks (rollout.tensor_parallel_size), and return them.
 
     Call once per process, after `torch.distributed.init_process_group`. The data-parallel size
     is world_size / (tp * pp * cp). `timeout_minutes`: the collective timeout of every group
-    (None: Megatron-Core's default, 30 minutes).
+    (None: Megatron-Core's default, 30 minutes). `launch`: kept on the result (runtime.process_groups
+    with rollout ranks apart).
     """
     if not dist.is_initialized():
         raise RuntimeError("build_parallel_groups needs torch.distributed.init_process_group() first")
@@ -185,6 +191,7 @@ def build_parallel_groups(tp: int, pp: int, cp: int, vpp: int | None = None, *, 
         ep=parallel_state.get_expert_model_parallel_group(),
         etp=parallel_state.get_expert_tensor_parallel_group(),
         edp=parallel_state.get_expert_data_parallel_group(),
+        launch=launch,
     )
 
 

@@ -122,13 +122,20 @@ class Recipe:
         rtp = rollout.tensor_parallel_size
         heads, groups = model.num_attention_heads, model.num_query_groups
         working = [t for t in divisors(world_size) if heads % t == 0 and (groups % t == 0 or t % groups == 0)]
-        if world_size % rtp:
+        if not rollout.separate and world_size % rtp:
             raise ValueError(f"rollout.tensor_parallel_size={rtp} must divide the world size {world_size} (every rank "
                              f"belongs to one rollout engine): launch a multiple of it, or use one of {_some(working)}")
         if heads % rtp or (groups % rtp and rtp % groups):
             raise ValueError(f"rollout.tensor_parallel_size={rtp} must divide the attention heads ({heads}), and the "
                              f"K/V heads ({groups}) must divide it or be divided by it: use one of {_some(working)}")
         engine_max_model_len(rollout, self.data.max_prompt_length, model.max_position_embeddings)
+        offloaded = [key for key, on in (("model.offload_params", model.offload_params),
+                                         ("model.offload_grads", model.offload_grads),
+                                         ("optim.offload_optimizer", self.optim.offload_optimizer)) if on]
+        if rollout.separate and offloaded:
+            raise ValueError(f"{offloaded[0]}: true moves the trainer's states off the GPU while a colocated engine "
+                             "generates, and rollout.placement is separate (the engine has GPUs of its own): set "
+                             f"{offloaded[0]}: false")
         if rollout.routing_replay and model.moe is None:
             raise ValueError("rollout.routing_replay: true replays the experts the engine routed each token to, and "
                              "this model is dense (no model.moe): set rollout.routing_replay: false, or use a "

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..data.datasets import PromptDataset
 from ..data.tasks import DataSettings, Prompt, build_task
 from ..model.config import ModelConfig
 from ..parallel.groups import ParallelGroups
@@ -56,13 +55,15 @@ from ..training.step import (StepBatch, StepConfig, StepCorrection, StepResult, 
                              compute_old_log_probs, compute_old_log_probs_and_entropy, old_pass_entropy,
                              step_correction, train_minibatch)
 from .advantages import group_advantages
+from .async_rollout import RolloutClient, StepRollouts
 from .batch import batch_to, build_step_batch, slice_batch
 from .dumps import dump_records, gather_and_write
 from .kl_reward import KLController, kl_penalised_rewards
 from .progress import MetricsLogger
-from .rollout_world import sample_round, share_of_replica
-from .sampling import RolloutGroups, SamplingStats, derive_seed, dynamic_sample, seeded_generator
+from .rollout_world import share_of_replica
+from .sampling import RolloutGroups
 from .settings import AlgorithmSettings, TrainerSettings
+from .step_sampling import StepSampler, rollout_stats
 from .validation import load_val_prompts, validate, write_generations
 
 
@@ -98,10 +99,10 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.run_dir = recipe.run_dir
         self.rank0 = dist.get_rank() == 0
-        self.task = build_task(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint, seed=recipe.trainer.seed)
-        # A dataset is read in order (its position is in every checkpoint); built-in tasks draw.
-        self.dataset = self.task if isinstance(self.task, PromptDataset) else None
-        self.data_position = 0
+        # rollout.placement separate: the rollout ranks hold the engine and the task (rl/async_rollout.py)
+        self.separate = groups.launch is not None
+        self.task = None if self.separate else build_task(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint,
+                                                          seed=recipe.trainer.seed)
         trainer = recipe.trainer
         self.model, self.optimizer, self.scheduler = build_model_and_optimizer(
             recipe.model, recipe.optim, groups, seed=trainer.seed, total_steps=trainer.steps)
@@ -122,6 +123,11 @@ class Trainer:
         self.kl_controller = KLController(algo.kl_in_reward) if algo.kl_in_reward.enabled else None
         self.writer = checkpoint.CheckpointWriter(async_save=trainer.async_save,
                                                   optimizer_format=trainer.optimizer_checkpoint_format)
+        if self.separate:
+            self.engine, self.sampler, self.client = None, None, RolloutClient(recipe, groups)
+            self.val_task, self.val_prompts = None, list(recipe.data.val_files or [])  # validated over there
+            return
+        self.client = None
         if groups.rollout_group_size != recipe.rollout.tensor_parallel_size:
             raise ValueError(f"the process groups were built for rollout groups of {groups.rollout_group_size} ranks "
                              f"but rollout.tensor_parallel_size={recipe.rollout.tensor_parallel_size}: build them with "
@@ -132,35 +138,63 @@ class Trainer:
         self.engine = make_engine(recipe.rollout, recipe.model, eos_token_id=tok.eos_ids, pad_token_id=tok.pad_id,
                                   device=self.device, max_model_len=max_model_len,
                                   seed=trainer.seed)
+        self.sampler = StepSampler(recipe, self.task, self.engine, groups, self.device)
         # Validation prompts (data.val_files), read once: every usable row, in file order.
         self.val_task, self.val_prompts = (load_val_prompts(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint)
                                            if recipe.data.val_files else (None, []))
 
     # ---- the loop -------------------------------------------------------------------------------
 
+    @property
+    def data_position(self) -> int:
+        """The dataset's read position after the step's prompts (checkpointed); 0 for built-in tasks."""
+        return self.client.data_position if self.separate else self.sampler.data_position
+
+    @data_position.setter
+    def data_position(self, value: int) -> None:
+        if self.separate:
+            self.client.data_position = value
+        else:
+            self.sampler.data_position = value
+
     def run(self) -> Path:
         trainer = self.recipe.trainer
         start = self._restore_or_start()
-        self._push_weights()
+        validate_first = trainer.val_only or (start == 0 and trainer.val_before_train and bool(self.val_prompts))
+        if self.separate:  # the first weights, and the first batches asked for (rl/async_rollout.py)
+            self.client.start(start)
+            generate = [] if trainer.val_only else self.client.first_requests(start, trainer.steps)
+            self.client.push(self.model, version=start, generate=generate,
+                             validate_step=start if validate_first else None,
+                             first={"data_position": self.client.next_position, "dp_ranks": self.groups.dp_ranks})
+        else:
+            self._push_weights()
         logger = MetricsLogger(self.run_dir, trainer.steps, enabled=self.rank0, trackers=trainer.logger,
                                project=trainer.project_name, experiment=trainer.experiment_name or self.recipe.name,
                                config=self.recipe.raw, resume_step=start)
         try:
-            if trainer.val_only or (start == 0 and trainer.val_before_train and self.val_prompts):
+            if validate_first:
                 logger.log(start, self.validate(start))  # before training, on its own record (verl's step 0)
             if trainer.val_only:
                 if self.rank0:
                     print(f"trainer.val_only: validated the weights of step {start}; no training", flush=True)
+                self._stop_rollouts()
                 return self.run_dir
             for step in range(start + 1, trainer.steps + 1):
                 metrics = self.train_step(step)
                 validating = self.validates_at(step)
+                exiting = bool(trainer.exit_interval) and step % trainer.exit_interval == 0
+                saving = step == trainer.steps or exiting or (trainer.save_every and step % trainer.save_every == 0)
+                if self.separate:  # saved before the new weights go out: rl/async_rollout.py's docstring
+                    if saving:
+                        self.save(step)
+                    metrics.update(self._push_remote(step, validating=validating,
+                                                     last=exiting or step == trainer.steps))
                 if validating:
                     metrics.update(self.validate(step))
                 if step % trainer.log_every == 0 or step == trainer.steps or validating:
                     logger.log(step, metrics)
-                exiting = bool(trainer.exit_interval) and step % trainer.exit_interval == 0
-                if step == trainer.steps or exiting or (trainer.save_every and step % trainer.save_every == 0):
+                if saving and not self.separate:
                     self.save(step)
                 self.writer.poll()
                 if exiting and step < trainer.steps:
@@ -168,6 +202,7 @@ class Trainer:
                         print(f"exit_interval={trainer.exit_interval}: stopping after step {step}; run again "
                               f"to resume from {checkpoint.checkpoint_dir(self.run_dir, step)}", flush=True)
                     break
+            self._stop_rollouts()
         finally:
             self.writer.close()
             logger.close()
@@ -188,8 +223,16 @@ class Trainer:
         """The validation metrics of the engine's current weights (rl/validation.py; collective
         over the world); trainer.log_val_generations records go to val_generations/step_<step>.jsonl.
         The engine and the trainer's states are left as found: with trainer offload the states
-        leave the GPU while the engine generates, as for rollouts."""
+        leave the GPU while the engine generates, as for rollouts. With the rollout ranks apart,
+        they validated the weights sent after step `step`, and this receives what they found."""
         trainer, rollout = self.recipe.trainer, self.recipe.rollout
+        if self.separate:
+            found = [self.client.receive_validation() if self.rank0 else None]
+            dist.broadcast_object_list(found, src=0)
+            metrics, records = found[0]
+            if self.rank0 and trainer.log_val_generations:
+                write_generations(records, self.run_dir / "val_generations" / f"step_{step}.jsonl")
+            return metrics
         t0 = time.perf_counter()
         if self.offload.enabled:
             self.offload.offload()
@@ -217,8 +260,15 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        step_prompts, data_metrics = self._step_prompts()
-        batch, rewards_B, sums, share = self.rollouts(step, step_prompts)
+        if self.separate:
+            batch, rewards_B, sums, share, data_metrics, remote_metrics = self._remote_rollouts(step)
+        else:
+            step_prompts, data_metrics = self.sampler.step_prompts()
+            age = getattr(self.engine, "weights_age", 0)  # rollout.policy_lag: the emulated staleness
+            batch, rewards_B, sums, share = self.rollouts(step, step_prompts)
+            remote_metrics = ({"rollout/staleness_mean": torch.tensor(float(age)),
+                               "rollout/staleness_max": torch.tensor(float(age))} if self.recipe.rollout.policy_lag
+                              else {})
         t_gen = time.perf_counter()
         old_log_probs, ref_log_probs, correction, step_metrics = self._before_updates(batch)
         dump_every = self.recipe.trainer.dump_every
@@ -233,14 +283,45 @@ class Trainer:
         moe_metrics = routing_metrics(self.model, self.groups, self.device)
         self.scheduler.step(increment=1)  # once per RL step: every update of the step had its lr
         t_train = time.perf_counter()
-        self._push_weights()
+        if not self.separate:  # separate: run() sends them, after a checkpoint's save
+            self._push_weights()
         t_end = time.perf_counter()
         metrics = {**_rollout_metrics(sums), **_train_metrics(results), **step_metrics, **moe_metrics, **data_metrics}
-        metrics.update({"timing/gen_s": t_gen - t0, "timing/train_s": t_train - t_gen,
+        gen_s = remote_metrics.pop("timing/gen_s", t_gen - t0)
+        metrics.update({"timing/gen_s": gen_s, "timing/train_s": t_train - t_gen,
                         "timing/weight_sync_s": t_end - t_train, "timing/step_s": t_end - t0,
                         "throughput/tokens_per_s": sums["all_tokens"] / (t_end - t0),
-                        "throughput/gen_tokens_per_s": sums["generated_tokens"] / (t_gen - t0)})
+                        "throughput/gen_tokens_per_s": sums["generated_tokens"] / max(gen_s, 1e-9),
+                        **remote_metrics})
         return metrics
+
+    def _remote_rollouts(self, step: int):
+        """rollouts() with the rollout ranks apart: the step's batch as they sent it, its data
+        metrics, and the staleness and waiting time of the step."""
+        t0 = time.perf_counter()
+        remote: StepRollouts = self.client.receive()
+        waited = time.perf_counter() - t0
+        assert remote.step == step, f"received the rollouts of step {remote.step} for step {step}"
+        staleness_B = remote.staleness(step - 1)  # the trainer's policy is the one after step - 1
+        assert float(staleness_B.max()) <= self.recipe.rollout.staleness, (step, remote.policy_version)
+        batch, rewards_B, sums, share = self._replica_batch(step, remote.share, dict(remote.sums))
+        metrics = {"rollout/staleness_mean": staleness_B.mean(), "rollout/staleness_max": staleness_B.max(),
+                   "timing/wait_for_rollout_s": torch.tensor(waited), "timing/gen_s": remote.gen_s}
+        return batch, rewards_B, sums, share, remote.data_metrics, metrics
+
+    def _push_remote(self, step: int, *, validating: bool, last: bool) -> dict[str, torch.Tensor]:
+        """After step `step`, with the rollout ranks apart: the new weights out, the batch of step
+        + S + 1 asked for (none after the run's last step), a validation asked for when due."""
+        t0 = time.perf_counter()
+        generate = [] if last or step + self.recipe.rollout.staleness + 1 > self.recipe.trainer.steps \
+            else [step + self.recipe.rollout.staleness + 1]
+        if generate or validating:
+            self.client.push(self.model, version=step, generate=generate, validate_step=step if validating else None)
+        return {"timing/weight_sync_s": torch.tensor(time.perf_counter() - t0)}
+
+    def _stop_rollouts(self) -> None:
+        if self.separate:
+            self.client.stop()
 
     def _before_updates(self, batch: StepBatch):
         """pi_old and the reference's log-probs (forward-only passes), and the decoupled rollout
@@ -292,19 +373,6 @@ class Trainer:
         advantages_BT = advantages_B[:, None] * mask_BT
         return dataclasses.replace(batch, advantages_BT=advantages_BT.to(batch.advantages_BT.device)), metrics
 
-    def _step_prompts(self) -> tuple[list[Prompt] | None, dict[str, torch.Tensor]]:
-        """The step's round-0 prompts from the dataset (None for built-in tasks) and the data
-        metrics. Every rank reads the same `prompts_per_step` prompts from the same position, so
-        all agree on the next position (and checkpoint it)."""
-        if self.dataset is None:
-            return None, {}
-        taken = self.dataset.take(self.data_position, self.recipe.data.prompts_per_step)
-        self.data_position = taken.next_position
-        metrics = {"data/epoch": torch.tensor(self.data_position / self.dataset.num_rows),
-                   "data/round0_dropped_long_prompts": torch.tensor(float(taken.dropped_long)),
-                   "data/round0_skipped_bad_rows": torch.tensor(float(taken.skipped_bad))}
-        return taken.prompts, metrics
-
     def rollouts(self, step: int, step_prompts: list[Prompt] | None = None
                  ) -> tuple[StepBatch, torch.Tensor, dict[str, torch.Tensor], RolloutGroups]:
         """This DP replica's StepBatch and per-sequence rewards (identical on its TP/CP/PP ranks),
@@ -312,52 +380,30 @@ class Trainer:
         if self.offload.enabled:  # the trainer's states leave before the engine's KV cache comes back
             self.offload.offload()
             self.engine.wake_up(["kv_cache"])
-        batch, first, stats, dropped, generated_tokens = self.sample_step(step, step_prompts)
+        batch, first, stats, dropped, generated_tokens = self.sampler.sample_step(step, step_prompts)
         self.engine.sleep()  # the trainer needs the memory now
         self.offload.reload()
         share = share_of_replica(batch, self.groups, device=self.device)
+        return self._replica_batch(step, share, rollout_stats(batch, first, stats, dropped, generated_tokens))
+
+    def _replica_batch(self, step: int, share: RolloutGroups, sums: dict[str, torch.Tensor]
+                       ) -> tuple[StepBatch, torch.Tensor, dict[str, torch.Tensor], RolloutGroups]:
+        """The replica's StepBatch from its share of the step's rollouts, with advantages; the
+        step's rollout statistics `sums` completed with the invalid tokens of every replica."""
         algo = self.recipe.algorithm
         advantages_B = group_advantages(share.rewards_GN, algo.advantage_estimator, algo.norm_adv_by_std).reshape(-1)
         step_batch, invalid = build_step_batch(share, advantages_B)
         invalid = invalid.to(self.device, torch.float64)
         dist.all_reduce(invalid, group=self.groups.dp)
-        sums = rollout_stats(batch, first, stats, invalid.cpu(), dropped, generated_tokens)
+        sums["invalid_tokens"] = invalid.cpu()
         sampling = algo.dynamic_sampling
-        if sampling.on_exhausted == "error" and stats.exhausted:  # the same decision on every rank
+        if sampling.on_exhausted == "error" and bool(sums["exhausted"]):  # the same decision on every rank
             raise RuntimeError(f"step {step}: dynamic sampling reached max_num_gen_batches="
                                f"{sampling.max_num_gen_batches} before finding data.prompts_per_step informative "
                                "groups (algorithm.dynamic_sampling.on_exhausted: error, verl's behaviour). The data "
                                "may be too hard or too easy for the policy: raise max_num_gen_batches (0 = no "
                                "limit), or set on_exhausted: fill to complete the batch with inert groups")
         return batch_to(step_batch, self.device), share.rewards_GN.reshape(-1).double(), sums, share
-
-    def sample_step(self, step: int, step_prompts: list[Prompt] | None
-                    ) -> tuple[RolloutGroups, RolloutGroups, SamplingStats, dict[str, int], int]:
-        """The step's whole batch after dynamic sampling (the same on every rank, tokens only
-        where generated: rollout_world.py), round 0's groups, the sampling stats, the prompts the
-        top-up rounds skipped, and the tokens generated over all rounds. Collective over the world."""
-        recipe, seed = self.recipe, self.recipe.trainer.seed
-        dropped = {"long": 0, "bad": 0}
-        generated = {"tokens": 0}
-
-        def draw(round_: int, num_prompts: int) -> RolloutGroups:
-            prompt_generator = seeded_generator(seed, "prompts", step, round_)
-            if round_ == 0 and step_prompts is not None:
-                prompts = step_prompts
-            elif self.dataset is not None:  # top-up rounds draw at random, off the epoch order
-                drawn = self.dataset.draw(num_prompts, prompt_generator)
-                prompts, dropped["long"], dropped["bad"] = (drawn.prompts, dropped["long"] + drawn.dropped_long,
-                                                            dropped["bad"] + drawn.skipped_bad)
-            else:
-                prompts = self.task.sample_prompts(num_prompts, prompt_generator)
-            seeds = [derive_seed(seed, "samples", step, round_, i) for i in range(len(prompts))]
-            drawn = sample_round(self.engine, self.task, prompts, seeds, rollout=recipe.rollout,
-                                 overlong=recipe.algorithm.overlong_penalty, groups=self.groups, device=self.device)
-            generated["tokens"] += int(drawn.lengths_B.sum())  # every round's, for tokens/s
-            return drawn
-
-        batch, first, stats = dynamic_sample(draw, recipe.data.prompts_per_step, recipe.algorithm.dynamic_sampling)
-        return batch, first, stats, dropped, generated["tokens"]
 
     def _update(self, batch: StepBatch, old_log_probs: torch.Tensor | None, ref_log_probs: torch.Tensor | None,
                 correction: StepCorrection | None) -> list[StepResult]:
@@ -395,11 +441,14 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.raw, sort_keys=False))
         sync_params(self.model)
+        if self.separate:  # the batches asked for, generated with older weights than these: saved beside them
+            self.client.receive_ahead()
         common = {"step": step, "data_position": self.data_position,
                   "kl_controller": None if self.kl_controller is None else self.kl_controller.state_dict(),
                   "recipe": self.recipe.raw}
         return self.writer.save(self.run_dir, step, model_chunks=self.model, optimizer=self.optimizer,
-                                scheduler=self.scheduler, groups=self.groups, common=common, layout=self._layout())
+                                scheduler=self.scheduler, groups=self.groups, common=common, layout=self._layout(),
+                                extra=self.client.save_inflight if self.separate else None)
 
     def _layout(self) -> dict:
         return self.recipe.parallel.layout(dist.get_world_size())
@@ -434,6 +483,8 @@ class Trainer:
             state = checkpoint.load(directory, model_chunks=self.model, optimizer=self.optimizer,
                                     scheduler=self.scheduler, groups=self.groups, layout=self._layout())
         self.data_position = state.get("data_position", 0)  # checkpoints before datasets start over
+        if self.separate:
+            self.client.load_inflight(directory)
         if self.kl_controller is not None and state.get("kl_controller") is not None:
             self.kl_controller.load_state_dict(state["kl_controller"])
         if self.rank0:
@@ -454,35 +505,6 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tp_rng"])
         return state
-
-
-def rollout_stats(rollouts: RolloutGroups, first: RolloutGroups, stats: SamplingStats, invalid: torch.Tensor,
-                  dropped: dict[str, int], generated_tokens: int) -> dict[str, torch.Tensor]:
-    """The step's rollout statistics as float64 scalars (the same on every rank): sums over round
-    0's samples as generated; sums and the longest response of the trained batch without its
-    fillers, which take part in no mean; the response tokens of every generation round.
-
-    Response length and truncation describe the batch's real samples; a batch of fillers only
-    (dynamic sampling found no informative group) describes its fillers, which were generated
-    too, rather than an empty mean's length 0 and truncation 1."""
-    real = ~rollouts.filler_G
-    described = real if bool(real.any()) else torch.ones_like(real)
-    lengths_GN = rollouts.response_lengths().reshape(-1, rollouts.n)
-    eos_GN = torch.tensor([r == "eos" for r in rollouts.finish_reasons]).reshape(-1, rollouts.n)
-    values = {
-        "round0_score": first.scores_GN.sum(), "round0_acc": first.acc_GN.sum(), "round0_samples": first.scores_GN.numel(),
-        "batch_reward": rollouts.rewards_GN[real].sum(), "batch_score": rollouts.scores_GN[real].sum(),
-        "batch_acc": rollouts.acc_GN[real].sum(), "batch_samples": rollouts.scores_GN[real].numel(),
-        "response_tokens": lengths_GN[real].sum(), "invalid_tokens": invalid,
-        "described_samples": lengths_GN[described].numel(), "described_tokens": lengths_GN[described].sum(),
-        "described_eos": eos_GN[described].sum(),
-        "all_tokens": sum(len(p) for p in rollouts.prompt_ids()) + lengths_GN.sum(), "gen_batches": stats.gen_batches,
-        "informative_fraction": stats.informative_fraction, "filler_fraction": stats.filler_fraction,
-        "exhausted": stats.exhausted, "dropped_long_prompts": dropped["long"], "skipped_bad_rows": dropped["bad"],
-        "generated_tokens": generated_tokens,
-        "response_length_max": lengths_GN[described].max() if described.any() else 0.0,
-    }
-    return {name: torch.tensor(float(value), dtype=torch.float64) for name, value in values.items()}
 
 
 def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

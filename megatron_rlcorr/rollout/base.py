@@ -40,10 +40,12 @@ EngineName = Literal["embedded", "vllm"]
 Precision = Literal["fp32", "bf16", "fp8"]
 LogprobsMode = Literal["tempered", "processed"]
 FinishReason = Literal["eos", "length"]
+Placement = Literal["colocated", "separate"]
 
 ENGINES: tuple[str, ...] = ("embedded", "vllm")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8")
 LOGPROBS_MODES: tuple[str, ...] = ("tempered", "processed")
+PLACEMENTS: tuple[str, ...] = ("colocated", "separate")
 VLLM_MIN_TEMPERATURE = 0.01  # vLLM samples a temperature in (0, 0.01) at 0.01 (SamplingParams, with a warning only)
 
 
@@ -94,6 +96,11 @@ class RolloutConfig:
     `policy_lag` K (embedded engine only) emulates asynchronous RL: the engine samples, and reports
     log-probs, with the weights of K steps ago (embedded.EmbeddedEngine), so the rollout
     correction sees off-policy mismatch on top of the numerical one. 0: the latest weights.
+
+    `placement: separate` is the real thing (rl/async_rollout.py): the last `num_ranks` ranks of the
+    launch only generate, the others only train, and the rollout ranks generate the batch of step
+    k + `max_staleness` while the trainer trains step k, with weights no older than step k's.
+    Rollout groups of `tensor_parallel_size` ranks are then cut from the rollout ranks alone.
     """
 
     engine: EngineName = "embedded"   # embedded (in-process, CPU or GPU, emulates the precision) | vllm (GPU)
@@ -110,6 +117,9 @@ class RolloutConfig:
     sleep_level: int = 2              # vLLM during training: 0 stay resident, 1 weights to host, 2 drop them
     max_model_len: int | None = None  # vLLM: context length (null: the prompt limit + max_new_tokens)
     policy_lag: int = 0               # steps the embedded engine's weights lag the trainer's
+    placement: Placement = "colocated"  # colocated: every rank generates, then trains | separate: rollout ranks apart
+    num_ranks: int | None = None      # separate: the last num_ranks ranks of the launch generate and never train
+    max_staleness: int | None = None  # separate: step k + S trains on rollouts of step k's weights (null: 1)
     # MoE models (model.moe): the trainer routes every token the engine generated from to the experts the
     # engine routed it to (rollout routing replay, R3), in every forward of the step (pi_old, the update,
     # recomputation); the router's weights still get gradients. The engine's routing is recorded either way
@@ -148,6 +158,7 @@ class RolloutConfig:
             raise ValueError(f"sleep_level must be 0 (stay resident), 1 (weights to host memory) or 2 (drop the "
                              f"weights) while training, got {self.sleep_level}")
         self._check_policy_lag()
+        self._check_placement()
         if self.max_model_len is not None and self.max_model_len < self.max_new_tokens + 1:
             raise ValueError(f"max_model_len={self.max_model_len} leaves no room for a prompt and max_new_tokens="
                              f"{self.max_new_tokens}; raise it or leave it null (derived from the prompt limit)")
@@ -159,6 +170,55 @@ class RolloutConfig:
         if self.policy_lag and self.engine != "embedded":
             raise ValueError(f"rollout.policy_lag={self.policy_lag} is emulated by the embedded engine only, not "
                              f"rollout.engine={self.engine!r}: use rollout.engine: embedded, or rollout.policy_lag: 0")
+
+    def _check_placement(self) -> None:
+        check_choice("placement", self.placement, PLACEMENTS)
+        for name in ("num_ranks", "max_staleness"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"rollout.{name} must be an integer, got {value!r}")
+        if self.placement == "colocated":
+            given = [name for name in ("num_ranks", "max_staleness") if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"rollout.{given[0]} is a setting of rollout.placement: separate, and placement is "
+                                 f"colocated (every rank generates, then trains): set rollout.placement: separate, "
+                                 f"or remove rollout.{given[0]}")
+            return
+        if self.num_ranks is None or self.num_ranks < 1:
+            raise ValueError(f"rollout.placement: separate needs rollout.num_ranks >= 1 (the last num_ranks ranks of "
+                             f"the launch generate), got {self.num_ranks!r}")
+        if self.num_ranks % self.tensor_parallel_size:
+            raise ValueError(f"rollout.num_ranks={self.num_ranks} must be a multiple of rollout.tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (the rollout ranks form engines of that many ranks)")
+        if self.max_staleness is not None and self.max_staleness < 1:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness}: with placement: separate the rollout ranks "
+                             "generate ahead of the trainer, so batches are at least 1 step stale; use 1 (one step "
+                             "off-policy, verl's) or more")
+        if self.policy_lag:
+            raise ValueError(f"rollout.policy_lag={self.policy_lag} emulates staleness on colocated ranks, and "
+                             "rollout.placement is separate (real staleness, rollout.max_staleness): set "
+                             "rollout.policy_lag: 0")
+
+    @property
+    def separate(self) -> bool:
+        """The rollout ranks are apart from the trainer's (placement: separate)."""
+        return self.placement == "separate"
+
+    @property
+    def staleness(self) -> int:
+        """How many steps a batch may lag the trainer: max_staleness (1 when unset) when separate,
+        policy_lag when colocated."""
+        return (self.max_staleness or 1) if self.separate else self.policy_lag
+
+    def trainer_world(self, launch_world: int) -> int:
+        """The ranks that train in a launch of `launch_world` ranks: all of them when colocated,
+        all but the last num_ranks when separate (ValueError when none would be left)."""
+        if not self.separate:
+            return launch_world
+        if self.num_ranks >= launch_world:
+            raise ValueError(f"rollout.num_ranks={self.num_ranks} leaves no trainer in a launch of {launch_world} "
+                             f"ranks: launch more ranks (trainer ranks + {self.num_ranks}), or lower rollout.num_ranks")
+        return launch_world - self.num_ranks
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -55,6 +55,8 @@ from __future__ import annotations
 import inspect
 import json
 import random
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -253,7 +255,10 @@ class CheckpointWriter:
         self._queue = None
 
     def save(self, run_dir: Path, step: int, *, model_chunks: list[Any], optimizer, scheduler,
-             groups: ParallelGroups, common: dict[str, Any], layout: dict[str, Any]) -> Path:
+             groups: ParallelGroups, common: dict[str, Any], layout: dict[str, Any],
+             extra: Callable[[Path], None] | None = None) -> Path:
+        """Save step `step`'s checkpoint; `extra(directory)` (every rank) writes files of the caller's
+        into it, on disk before `latest` moves to it (rl/async_rollout.py: the rollouts in flight)."""
         from megatron.core import dist_checkpointing
 
         self.close()
@@ -262,7 +267,7 @@ class CheckpointWriter:
         if rank0:
             directory.mkdir(parents=True, exist_ok=True)
             for stale in directory.iterdir():  # a crashed earlier save of this step
-                stale.unlink()
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
         dist.barrier()
         random_state = rng_state()  # torch's distributed checkpoint writer draws random numbers
         if optimizer is not None:
@@ -275,6 +280,8 @@ class CheckpointWriter:
                                           content_metadata=_content_metadata(groups, self.optimizer_format),
                                           **async_options(dist_checkpointing.save))
         set_rng_state(random_state)  # saving must not change what the run draws next
+        if extra is not None:
+            extra(directory)
         record = {"megatron_core": megatron_core_version(), "optimizer": kind,
                   "optimizer_format": self.optimizer_format}
 

@@ -47,7 +47,7 @@ def _trainer_rollouts(rank, world_size, layouts):
             trainer._push_weights()
             views = []
             for step in (1, 2):  # two steps: different prompts and seeds, same weights
-                batch, _, stats, _, generated = trainer.sample_step(step, None)
+                batch, _, stats, _, generated = trainer.sampler.sample_step(step, None)
                 share = share_of_replica(batch, groups)
                 views.append({"share": _view(share), "dp_rank": groups.dp_rank, "dp_size": groups.dp_size,
                               "gen_batches": stats.gen_batches, "generated": generated,
