@@ -165,6 +165,12 @@ class RolloutClient:
         those not yet held, up to step + S + 1 (module docstring)."""
         return list(range(self.received + 1, min(step + self.staleness + 1, steps) + 1))
 
+    def requests_after(self, step: int, steps: int, *, last: bool) -> list[int]:
+        """The batch to ask for with the weights after step `step`: step + S + 1, if the run gets
+        there (`last`: the run stops after this step)."""
+        wanted = step + self.staleness + 1
+        return [] if last or wanted > steps else [wanted]
+
     def push(self, model_chunks, *, version: int, generate: list[int], validate_step: int | None,
              first: dict | None = None) -> None:
         """Send the weights after step `version`, then ask for `generate`'s batches (and a

@@ -1,7 +1,8 @@
 """Layout-free, all-rank generation: which rank samples which prompts, and how the samples reach the
 data-parallel replica that trains on them.
 
-Every rank generates. The world is cut into K = world / R rollout groups of R =
+Every rank generates (with rollout.placement: separate, every rank of the rollout ranks' own world,
+rl/async_rollout.py). The world is cut into K = world / R rollout groups of R =
 `rollout.tensor_parallel_size` consecutive ranks (vLLM's grouping of torchrun ranks into
 tensor-parallel engines; R = 1 for the embedded engine). A generation round's P prompts, the same
 list on every rank, are split into K contiguous chunks and group k samples chunk k, prompt i with

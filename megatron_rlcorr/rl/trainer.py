@@ -21,6 +21,14 @@ One step:
    the run starts from, no training). Its samples are seeded by (seed, step, prompt index), so a
    resumed run validates like the uninterrupted one.
 
+Asynchronous RL (rollout.placement: separate, rl/async_rollout.py): the last rollout.num_ranks ranks
+of the launch run the rollouts of step 1 instead, for the step S = rollout.max_staleness ahead,
+with weights S steps old; this trainer runs on the other ranks with a RolloutClient in place of
+an engine: it receives each step's share, sends its weights after each step (after the
+checkpoint's save, which keeps the batches in flight), and receives the validation results. The
+step logs rollout/staleness_mean and _max (also with rollout.policy_lag) and
+timing/wait_for_rollout_s.
+
 Metrics are 0-d tensors until the once-per-step log. Checkpoints are Megatron-Core distributed
 checkpoints (training/checkpoint.py): model, optimizer, scheduler, RNG states, the step and a
 dataset's read position, resumable on any parallel layout (optionally written in the background:
@@ -313,8 +321,7 @@ class Trainer:
         """After step `step`, with the rollout ranks apart: the new weights out, the batch of step
         + S + 1 asked for (none after the run's last step), a validation asked for when due."""
         t0 = time.perf_counter()
-        generate = [] if last or step + self.recipe.rollout.staleness + 1 > self.recipe.trainer.steps \
-            else [step + self.recipe.rollout.staleness + 1]
+        generate = self.client.requests_after(step, self.recipe.trainer.steps, last=last)
         if generate or validating:
             self.client.push(self.model, version=step, generate=generate, validate_step=step if validating else None)
         return {"timing/weight_sync_s": torch.tensor(time.perf_counter() - t0)}
