@@ -7,7 +7,9 @@ and values that work), then prints the parameter count (total and, for a mixture
 model, active per token and the routed experts of the most-loaded GPU), the estimated memory
 per GPU (recipe/memory.py) against the GPU's, and the launch command; `--json` prints the same
 as one object; `--search` lists the layouts that fit, cheapest communication first
-(recipe/layout_search.py).
+(recipe/layout_search.py). With `rollout.placement: separate` the last rollout.num_ranks ranks of
+the launch only generate: the layout is checked (and searched) over the other ranks, the trainer
+ranks, whose memory holds no engine, and the plan says what a rollout rank holds (the engine).
 
 Exit codes: 0 the layout validates and fits, 1 it validates but does not fit (or --search found
 nothing), 2 bad input (the recipe, an override or the layout).
@@ -19,8 +21,9 @@ import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
-from .recipe import load_recipe
-from .recipe.memory import HEADROOM, GiB, estimate_memory, micro_batch_tokens, parameter_counts, usable_bytes
+from .recipe import Recipe, load_recipe
+from .recipe.memory import (HEADROOM, GiB, estimate_memory, micro_batch_tokens, parameter_counts,
+                             rollout_rank_bytes, usable_bytes)
 from .runtime import EXIT_BAD_INPUT
 
 DEFAULT_MASTER_PORT = 29500
@@ -32,13 +35,23 @@ def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_
     _check_launch(nodes, gpus_per_node, gpu_memory_gib)
     recipe = load_recipe(path, overrides)
     world = nodes * gpus_per_node
-    dp = recipe.check_layout(world, here=False)
+    trainers = recipe.rollout.trainer_world(world)
+    try:
+        dp = recipe.check_layout(trainers, here=False)
+    except ValueError as err:
+        if not recipe.rollout.separate:
+            raise
+        raise ValueError(f"the trainer ranks are {trainers} ({world} launched less rollout.num_ranks="
+                         f"{recipe.rollout.num_ranks}, rollout.placement: separate): {err}") from None
     counts = parameter_counts(recipe.model, recipe.parallel)
-    memory = estimate_memory(recipe, world, gpu_memory_gib * GiB)
+    memory = estimate_memory(recipe, trainers, gpu_memory_gib * GiB)
+    rollout_ranks = _rollout_ranks(recipe, world, gpu_memory_gib)
+    trainer_fits = memory.total <= usable_bytes(gpu_memory_gib)
     p, model = recipe.parallel, recipe.model
     return {
         "recipe": str(path), "overrides": list(overrides), "nodes": nodes, "gpus_per_node": gpus_per_node,
         "world_size": world, "gpu_memory_gib": gpu_memory_gib,
+        "placement": recipe.rollout.placement, "trainer_ranks": trainers, "rollout_ranks": rollout_ranks,
         "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "vpp": p.vpp, "dp": dp, "ep": p.ep, "etp": p.etp,
                    "sequence_parallel": p.sequence_parallel,
                    "recompute": None if model.recompute is None else model.recompute.granularity,
@@ -61,10 +74,23 @@ def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_
                     "optimizer": recipe.optim.offload_optimizer},
         "most_loaded_stage": memory.stage,
         "usable_gib": round(usable_bytes(gpu_memory_gib) / GiB, 2),
-        "fits": memory.total <= usable_bytes(gpu_memory_gib),
+        "trainer_fits": trainer_fits,
+        "fits": trainer_fits and (rollout_ranks is None or rollout_ranks["fits"]),
         "command": launch_command(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node),
         "torchrun": torchrun_command(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node),
     }
+
+
+def _rollout_ranks(recipe: Recipe, world: int, gpu_memory_gib: float) -> dict[str, Any] | None:
+    """The rollout ranks of rollout.placement separate and what each holds (None when colocated):
+    the engine only, one weight set whatever rollout.max_staleness (recipe/memory.py)."""
+    rollout = recipe.rollout
+    if not rollout.separate:
+        return None
+    engine = rollout_rank_bytes(recipe, gpu_memory_gib * GiB)
+    return {"count": rollout.num_ranks, "ranks": [world - rollout.num_ranks, world - 1],
+            "engines": rollout.num_ranks // rollout.tensor_parallel_size, "max_staleness": rollout.staleness,
+            "engine_gib_per_gpu": round(engine / GiB, 2), "fits": engine <= usable_bytes(gpu_memory_gib)}
 
 
 def _check_launch(nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> None:
@@ -99,9 +125,11 @@ def _quoted(path: str | Path, overrides: Sequence[str]) -> str:
 def format_report(report: dict[str, Any]) -> str:
     layout, memory = report["layout"], report["memory_gib_per_gpu"]
     recompute = layout["recompute"] or "none"
+    separate = report["rollout_ranks"] is not None
     lines = [
         f"plan: {report['recipe']} on {report['nodes']} x {report['gpus_per_node']} GPUs "
         f"({report['gpu_memory_gib']:g} GiB each)",
+        *([_ranks_line(report)] if separate else []),
         f"layout: tp={layout['tp']} pp={layout['pp']} cp={layout['cp']} vpp={layout['vpp']} dp={layout['dp']} "
         + (f"ep={layout['ep']} etp={layout['etp']} " if report["moe"] else "") +
         f"sequence_parallel={layout['sequence_parallel']} recompute={recompute} "
@@ -110,20 +138,27 @@ def format_report(report: dict[str, Any]) -> str:
         f"with tensor_parallel_size {layout['rollout_tensor_parallel_size']}; "
         f"padded vocabulary {report['padded_vocab_size']}",
         _parameters_line(report),
-        f"memory per GPU (GiB, estimate) on the most-loaded pipeline stage, {report['most_loaded_stage']} of "
-        f"0..{layout['pp'] - 1}:",
+        f"memory per {'trainer ' if separate else ''}GPU (GiB, estimate) on the most-loaded pipeline stage, "
+        f"{report['most_loaded_stage']} of 0..{layout['pp'] - 1}:",
     ]
     for name in ("weights", "gradients", "optimizer", "activations", "logits", "rollout"):
         lines.append(f"  {name:<12} {memory[name]:>8.2f}")
-    verdict = "fits" if report["fits"] else "does NOT fit: try `--search`"
+    verdict = "fits" if report["trainer_fits"] else "does NOT fit: try `--search`"
     lines.append(f"  {'total':<12} {memory['total']:>8.2f} of {report['usable_gib']:g} usable "
                  f"({report['gpu_memory_gib']:g} less {HEADROOM:.0%} headroom): {verdict}")
-    phases, offload = report["phases_gib_per_gpu"], report["offload"]
-    moved = [name for name in ("params", "grads", "optimizer") if offload[name]]
-    lines.append(f"  phases: training {phases['training']:.2f}, generation {phases['generation']:.2f} "
-                 f"(offloaded while generating: {', '.join(moved) if moved else 'nothing'}, {phases['offloaded']:.2f})")
-    lines.append("  (total = the larger of training (weights + gradients + optimizer + activations + logits + what "
-                 "the engine keeps while asleep) and generation (the states not offloaded + the engine's share))")
+    if separate:
+        lines.append("  (a trainer rank holds no engine: total = weights + gradients + optimizer + activations + "
+                     "logits)")
+        lines.append(_rollout_memory_line(report))
+    else:
+        phases, offload = report["phases_gib_per_gpu"], report["offload"]
+        moved = [name for name in ("params", "grads", "optimizer") if offload[name]]
+        lines.append(f"  phases: training {phases['training']:.2f}, generation {phases['generation']:.2f} "
+                     f"(offloaded while generating: {', '.join(moved) if moved else 'nothing'}, "
+                     f"{phases['offloaded']:.2f})")
+        lines.append("  (total = the larger of training (weights + gradients + optimizer + activations + logits + "
+                     "what the engine keeps while asleep) and generation (the states not offloaded + the engine's "
+                     "share))")
     lines.append("launch:")
     if report["nodes"] > 1:
         lines.append("  # on every node (or under SLURM: srun --nodes=N --ntasks-per-node=1 bash tools/launch.sh ...)")
@@ -132,6 +167,26 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  # which runs on each node:")
         lines.append(f"  {report['torchrun']}")
     return "\n".join(lines)
+
+
+def _ranks_line(report: dict[str, Any]) -> str:
+    trainers, rollout = report["trainer_ranks"], report["rollout_ranks"]
+    first, last = rollout["ranks"]
+    return (f"ranks: {report['world_size']} = {trainers} trainer ranks (0..{trainers - 1}) + {rollout['count']} "
+            f"rollout ranks ({first}..{last}: {rollout['engines']} engine(s) of tensor_parallel_size "
+            f"{report['layout']['rollout_tensor_parallel_size']}); rollout.placement: separate, the trainer trains "
+            f"on batches at most {rollout['max_staleness']} step(s) stale")
+
+
+def _rollout_memory_line(report: dict[str, Any]) -> str:
+    rollout, layout = report["rollout_ranks"], report["layout"]
+    if layout["rollout_engine"] == "vllm":
+        held = "vLLM's gpu_memory_utilization share: its weights and KV cache"
+    else:
+        held = "the embedded engine's copy of the weights"
+    verdict = "fits" if rollout["fits"] else "does NOT fit"
+    return (f"memory per rollout GPU (GiB, estimate): {rollout['engine_gib_per_gpu']:.2f}, {held} (one weight set "
+            f"whatever rollout.max_staleness), nothing of training: {verdict} in {report['usable_gib']:g} usable")
 
 
 def _parameters_line(report: dict[str, Any]) -> str:

@@ -31,6 +31,13 @@
 #                  (stdout and stderr) goes to the terminal and is appended to that file.
 # Bad values (not integers, NODE_RANK >= NNODES, ...) or an unreadable recipe: a message, exit 2.
 #
+# The recipe is checked for the launch of NNODES x GPUS_PER_NODE ranks as `megatron-rlcorr plan`
+# checks it (layout, batch sizes, sequence lengths, rollout settings; the data files and the GPUs
+# are checked by the ranks at start): a recipe that does not load or does not fit the launch exits
+# 2 with the trainer's message. With rollout.placement: separate the last rollout.num_ranks ranks of the
+# launch generate and the others train; the output says how many do which. When PYTHON cannot
+# import megatron_rlcorr here, nothing is checked (the ranks check it at start) and it says so.
+#
 # On SLURM, one task per node, every node running this script:
 #   srun --ntasks-per-node=1 bash tools/launch.sh recipes/tiny_cpu.yaml trainer.steps=100
 #
@@ -190,6 +197,50 @@ EOF
   fi
 fi
 
+# --- the recipe for this launch -----------------------------------------------------------------
+# The snippet's last line: "roles TRAIN GENERATE" (the recipe validates for the launch), or
+# "error MESSAGE"; anything else (no interpreter, no megatron_rlcorr) means it was not checked.
+WORLD=$((NNODES * GPUS_PER_NODE))
+check=$("$PY" - "$WORLD" "$RECIPE" "${OVERRIDES[@]}" 2>/dev/null <<'EOF' || true
+import sys
+from megatron_rlcorr.recipe import load_recipe
+world, path, overrides = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+try:
+    recipe = load_recipe(path, overrides)
+    trainers = recipe.rollout.trainer_world(world)
+except Exception as err:  # what the trainer would refuse at start too (a bad key, value, base file)
+    print("error", " ".join(str(err).split()))
+    sys.exit()
+try:
+    recipe.check_layout(trainers, here=False)
+except ValueError as err:
+    apart = (f"the trainer ranks are {trainers} ({world} less rollout.num_ranks={recipe.rollout.num_ranks}, "
+             "rollout.placement: separate): ") if recipe.rollout.separate else ""
+    print("error", apart + " ".join(str(err).split()))
+else:
+    print("roles", trainers, world - trainers)
+EOF
+)
+check=$(tail -n 1 <<<"$check")
+LAUNCH_SIZE="$WORLD ranks ($NNODES node(s) x $GPUS_PER_NODE)"
+case "$check" in
+  "error "*) die "recipe $RECIPE for a launch of $LAUNCH_SIZE: ${check#error }" ;;
+  "roles "*)
+    read -r _ TRAIN_RANKS GENERATE_RANKS <<<"$check"
+    if ((GENERATE_RANKS)); then
+      ROLES="$LAUNCH_SIZE: $TRAIN_RANKS train (ranks 0..$((TRAIN_RANKS - 1))), $GENERATE_RANKS generate (ranks"
+      ROLES+=" $TRAIN_RANKS..$((WORLD - 1)); rollout.placement: separate); the recipe validates for this launch"
+    else
+      ROLES="$LAUNCH_SIZE: all generate, then train (rollout.placement: colocated); the recipe validates for this"
+      ROLES+=" launch"
+    fi
+    ;;
+  *)
+    ROLES="$LAUNCH_SIZE; the recipe was not checked here ($PY could not load megatron_rlcorr): the ranks check it"
+    ROLES+=" at start"
+    ;;
+esac
+
 # --- command -----------------------------------------------------------------------------------
 CMD=("$PY" -m torch.distributed.run "--nnodes=$NNODES" "--node-rank=$NODE_RANK"
      "--nproc-per-node=$GPUS_PER_NODE" "--master-addr=$MASTER_ADDR" "--master-port=$MASTER_PORT"
@@ -197,6 +248,7 @@ CMD=("$PY" -m torch.distributed.run "--nnodes=$NNODES" "--node-rank=$NODE_RANK"
 
 print_plan() {
   local name
+  echo "# ranks: $ROLES"
   for name in "${TOPOLOGY_NAMES[@]}" "${ENV_NAMES[@]}"; do
     printf 'export %s=%q\n' "$name" "${!name}"
   done

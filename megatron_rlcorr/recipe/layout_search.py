@@ -7,7 +7,9 @@ the experts that divide a stage's ranks (expert TP 1: each expert whole on its r
 selective (MLP + norms) or full (one layer per chunk) recomputation; the recipe's other settings
 stay. A candidate is kept when the whole recipe validates for the launch
 (`Recipe.check_layout(here=False)`) and its estimated memory (memory.py) fits the GPU with the
-headroom `plan` keeps (plan.HEADROOM).
+headroom `plan` keeps (plan.HEADROOM). With rollout.placement separate the candidates are layouts
+of the trainer ranks (the launch less rollout.num_ranks), whose memory holds no engine; when a
+rollout rank's engine does not fit its GPU (memory.rollout_rank_bytes) no candidate does.
 
 Ranking: an estimate of the seconds per RL step spent waiting on other GPUs, from bytes moved and
 link bandwidth, plus the pipeline bubble and recomputation as time. The constants below are
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .memory import (GiB, MemoryEstimate, estimate_memory, expert_optimizer_group_size, micro_batch_tokens,
-                     parameter_counts, sequence_tokens, usable_bytes)
+                     parameter_counts, rollout_rank_bytes, sequence_tokens, usable_bytes)
 from .recipe import Recipe, divisors, parse_recipe
 from .tree import apply_overrides, read_tree
 
@@ -97,7 +99,9 @@ def search_tree(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_
     """search_layouts of a recipe tree (read once; each candidate applies its layout to a copy).
     ValueError when the recipe itself does not load (its message)."""
     base = parse_recipe(tree)
-    world = nodes * gpus_per_node
+    world = base.rollout.trainer_world(nodes * gpus_per_node)  # the ranks that train
+    if base.rollout.separate and rollout_rank_bytes(base, gpu_memory_gib * GiB) > usable_bytes(gpu_memory_gib):
+        return []
     heads_and_groups = math.gcd(base.model.num_attention_heads, base.model.num_query_groups)
     moe = base.model.moe
     found = []

@@ -42,7 +42,12 @@ Conventions: bytes everywhere (GiB = 2**30 only in `MemoryEstimate.gib`); a "ran
 - rollout: vLLM's `gpu_memory_utilization` share while it generates, nothing while it sleeps
   (levels 1 and 2) or the same share when it stays resident (level 0); the embedded engine keeps
   a full copy of the model (every expert) in its weight dtype all the time, K + 1 copies under
-  rollout.policy_lag K.
+  rollout.policy_lag K. With rollout.placement separate the trainer ranks hold no engine (these
+  terms are 0; `world_size` is then the trainer ranks, the launch less rollout.num_ranks), and
+  each rollout rank holds the engine alone (`rollout_rank_bytes`): vLLM's share (its weights and
+  KV cache), or the embedded engine's one copy. rollout.max_staleness adds no copy: the engine
+  holds the latest weights it was sent; the staleness is in the batches generated ahead
+  (tokens and log-probs, sent to the trainer over gloo).
 - total: the larger of the two phases: training (the states + activations + logits + the
   engine's resident memory) and generation (the states the trainer keeps on the GPU + the
   engine's share; the trainer's activations are freed and its cache emptied before the engine
@@ -307,8 +312,22 @@ def offloaded_bytes(recipe: Recipe, weights: float, gradients: float, optimizer:
             + (optimizer if optim.offload_optimizer else 0.0))
 
 
+def rollout_rank_bytes(recipe: Recipe, gpu_memory_bytes: float) -> float:
+    """What one rollout rank of rollout.placement separate holds: the engine while it generates
+    (the colocated engine's share, on a GPU of its own; module docstring)."""
+    return _engine_bytes(recipe, parameter_counts(recipe.model, recipe.parallel).total, gpu_memory_bytes)[0]
+
+
 def _rollout_bytes(recipe: Recipe, total_params: int, gpu_memory_bytes: float) -> tuple[float, float]:
-    """(while generating, while training) bytes of the colocated engine on one GPU."""
+    """(while generating, while training) bytes of the colocated engine on one GPU; nothing on a
+    trainer rank of rollout.placement separate."""
+    if recipe.rollout.separate:
+        return 0.0, 0.0
+    return _engine_bytes(recipe, total_params, gpu_memory_bytes)
+
+
+def _engine_bytes(recipe: Recipe, total_params: int, gpu_memory_bytes: float) -> tuple[float, float]:
+    """(while generating, while the trainer trains) bytes of the engine on one GPU."""
     rollout = recipe.rollout
     if rollout.engine == "vllm":
         share = rollout.gpu_memory_utilization * gpu_memory_bytes

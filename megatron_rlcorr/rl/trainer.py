@@ -194,8 +194,8 @@ class Trainer:
                 exiting = bool(trainer.exit_interval) and step % trainer.exit_interval == 0
                 saving = step == trainer.steps or exiting or (trainer.save_every and step % trainer.save_every == 0)
                 if self.separate:  # saved before the new weights go out: rl/async_rollout.py's docstring
-                    if saving:
-                        self.save(step)
+                    if saving:  # `latest` moves at writer.poll(), once the step is logged
+                        self.save(step, defer_latest=True)
                     metrics.update(self._push_remote(step, validating=validating,
                                                      last=exiting or step == trainer.steps))
                 if validating:
@@ -211,6 +211,9 @@ class Trainer:
                               f"to resume from {checkpoint.checkpoint_dir(self.run_dir, step)}", flush=True)
                     break
             self._stop_rollouts()
+        except BaseException:
+            self.writer.drop_pending()  # a step saved but not logged: resume from the checkpoint before it
+            raise
         finally:
             self.writer.close()
             logger.close()
@@ -443,7 +446,7 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, defer_latest: bool = False) -> Path:
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.raw, sort_keys=False))
@@ -455,7 +458,8 @@ class Trainer:
                   "recipe": self.recipe.raw}
         return self.writer.save(self.run_dir, step, model_chunks=self.model, optimizer=self.optimizer,
                                 scheduler=self.scheduler, groups=self.groups, common=common, layout=self._layout(),
-                                extra=self.client.save_inflight if self.separate else None)
+                                extra=self.client.save_inflight if self.separate else None,
+                                defer_latest=defer_latest)
 
     def _layout(self) -> dict:
         return self.recipe.parallel.layout(dist.get_world_size())

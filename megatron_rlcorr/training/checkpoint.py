@@ -253,12 +253,16 @@ class CheckpointWriter:
         self.async_save = async_save
         self.optimizer_format = optimizer_format
         self._queue = None
+        self._pending: Callable[[], None] | None = None  # a synchronous save's `latest` move, deferred
 
     def save(self, run_dir: Path, step: int, *, model_chunks: list[Any], optimizer, scheduler,
              groups: ParallelGroups, common: dict[str, Any], layout: dict[str, Any],
-             extra: Callable[[Path], None] | None = None) -> Path:
+             extra: Callable[[Path], None] | None = None, defer_latest: bool = False) -> Path:
         """Save step `step`'s checkpoint; `extra(directory)` (every rank) writes files of the caller's
-        into it, on disk before `latest` moves to it (rl/async_rollout.py: the rollouts in flight)."""
+        into it, on disk before `latest` moves to it (rl/async_rollout.py: the rollouts in flight).
+        `defer_latest`: `latest` moves at the next poll() or close(), not now; a caller that saves
+        before it logs the step (rl/trainer.py, rollout.placement separate) polls after logging, so a
+        crash in between resumes from the checkpoint before, whose run logged every step."""
         from megatron.core import dist_checkpointing
 
         self.close()
@@ -293,6 +297,9 @@ class CheckpointWriter:
 
         if not self.async_save:
             dist.barrier()  # every rank's shards are on disk before `latest` moves
+            if defer_latest:
+                self._pending = finish
+                return directory
             finish()
             dist.barrier()
             return directory
@@ -304,14 +311,27 @@ class CheckpointWriter:
         return directory
 
     def poll(self) -> None:
+        self._finish_pending()
         if self._queue is not None:
             self._queue.maybe_finalize_async_calls(blocking=False)
 
     def close(self) -> None:
+        self._finish_pending()
         if self._queue is not None:
             self._queue.maybe_finalize_async_calls(blocking=True)
             self._queue.close()
             self._queue = None
+            dist.barrier()
+
+
+    def drop_pending(self) -> None:
+        """Never move `latest` to a save deferred with `defer_latest` (the run failed before logging it)."""
+        self._pending = None
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            finish, self._pending = self._pending, None
+            finish()
             dist.barrier()
 
 

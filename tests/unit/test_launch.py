@@ -170,11 +170,50 @@ def test_vllm_sleep_mode_refuses_expandable_segments(tmp_path):
     proc = launch(str(recipe), "--dry-run", env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "expandable_segments:True" in proc.stderr and "rollout.sleep_level" in proc.stderr
-    # No sleep mode, or no vLLM: the allocator setting is left alone.
-    assert launch(str(recipe), "--dry-run", "rollout.sleep_level=0", env=env).returncode == 0
+    # No sleep mode, or no vLLM: the allocator setting is left alone (this vLLM recipe, without a
+    # model.hf_checkpoint, is then refused by the recipe check for the launch, for that reason only).
+    for proc in (launch(str(recipe), "--dry-run", "rollout.sleep_level=0", env=env),
+                 launch(str(recipe), "--dry-run", env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})):
+        assert proc.returncode == 2 and "expandable_segments" not in proc.stderr, proc.stderr
+        assert "set model.hf_checkpoint" in proc.stderr
     assert launch(TINY, "--dry-run", env=env).returncode == 0
-    assert launch(str(recipe), "--dry-run", env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
-                  ).returncode == 0
+
+
+def test_recipe_checked_for_the_launch_world_and_roles_printed(tmp_path):
+    # rollout.placement separate: the last num_ranks ranks of the launch generate, the others train;
+    # the recipe is checked for the launch world less those (3 - 1 = 2 trainer ranks: dp 2 divides 16 prompts).
+    env = clean_env(PYTHON=sys.executable, NNODES="1", GPUS_PER_NODE="3", LOG_DIR=str(tmp_path / "logs"))
+    separate = ("rollout.placement=separate", "rollout.num_ranks=1")
+    proc = launch(TINY, "--dry-run", *separate, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert ("# ranks: 3 ranks (1 node(s) x 3): 2 train (ranks 0..1), 1 generate (ranks 2..2; rollout.placement: "
+            "separate); the recipe validates for this launch") in proc.stdout.splitlines()
+    assert " --nproc-per-node=3 " in command_line(proc.stdout)  # torchrun starts the whole launch
+    # The same 3 ranks colocated: dp 3 does not divide the 16 prompts per step, refused before any start.
+    proc = launch(TINY, "--dry-run", env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "for a launch of 3 ranks (1 node(s) x 3)" in proc.stderr and "data-parallel size 3" in proc.stderr
+    assert "+ " not in proc.stdout
+    # Too many rollout ranks: nothing left to train; and the message names the trainer ranks when their layout fails.
+    proc = launch(TINY, *separate[:1], "rollout.num_ranks=3", env=env)
+    assert proc.returncode == 2 and "rollout.num_ranks=3 leaves no trainer in a launch of 3 ranks" in proc.stderr
+    proc = launch(TINY, "--dry-run", *separate[:1], "rollout.num_ranks=2", env={**env, "GPUS_PER_NODE": "5"})
+    assert proc.returncode == 2 and ("the trainer ranks are 3 (5 less rollout.num_ranks=2, rollout.placement: "
+                                     "separate): data.prompts_per_step=16 must be divisible") in proc.stderr
+    assert not (tmp_path / "logs").exists()  # a refused launch creates nothing
+    # 2 ranks colocated: every rank generates, then trains.
+    proc = launch(TINY, "--dry-run", env={**env, "GPUS_PER_NODE": "2"})
+    assert proc.returncode == 0, proc.stderr
+    assert "# ranks: 2 ranks (1 node(s) x 2): all generate, then train (rollout.placement: colocated)" in proc.stdout
+
+
+def test_recipe_not_checked_without_the_package(tmp_path):
+    fake_python = fake_tool(tmp_path / "bin", "nopython", "exit 1\n") / "nopython"
+    proc = launch(TINY, "--dry-run", "rollout.placement=separate", "rollout.num_ranks=1",
+                  env=clean_env(PYTHON=str(fake_python), GPUS_PER_NODE="3"))
+    assert proc.returncode == 0, proc.stderr
+    assert (f"# ranks: 3 ranks (1 node(s) x 3); the recipe was not checked here ({fake_python} could not load "
+            "megatron_rlcorr): the ranks check it at start") in proc.stdout
 
 
 def test_log_and_exit_code_of_torchrun(tmp_path):
@@ -191,6 +230,7 @@ def test_log_and_exit_code_of_torchrun(tmp_path):
     assert "out: -m torch.distributed.run --nnodes=2 --node-rank=1" in log and "a.b=1" in log
     assert "err: failing" in log and "err: failing" in proc.stdout  # stderr too, to both
     assert "export NCCL_IB_TIMEOUT=19" in log and command_line(log).startswith(f"+ {fake_python} -m")
+    assert "# ranks: 2 ranks (2 node(s) x 1); the recipe was not checked here" in log
     # A second run appends to the node's log.
     assert launch(TINY, env=env).returncode == 7
     assert (logs / "node1.log").read_text().count("err: failing") == 2
