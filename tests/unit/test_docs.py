@@ -223,6 +223,17 @@ ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
          "tests/unit/test_ablate.py::test_rejection_by_answer_splits_what_rs_rejects_by_reward"),
         "9 training runs of about 45 s on 2 cores; the test trains 2 settings for 2 steps through the same main() "
         "and the report's parts are tested on their own"),
+    "torchrun --nproc_per_node=3 -m megatron_rlcorr.train --config recipes/tiny_cpu_async.yaml": (
+        ("tests/distributed/test_async_runs.py::test_separate_rollout_rank_repeats_the_colocated_policy_lag",
+         "tests/unit/test_recipes.py::test_every_shipped_recipe_loads"),
+        "a 3-process training run of minutes; the test launches tiny_cpu.yaml with this recipe's three rollout "
+        "settings on 3 processes, 4 steps, against the colocated policy_lag run"),
+    "python tools/bench_async.py": (
+        ("tests/unit/test_bench_async.py::test_both_runs_pass_the_launch_checks",
+         "tests/unit/test_bench_async.py::test_summary_is_over_steps_2_to_n_minus_s_minus_1",
+         "tests/distributed/test_async_runs.py::test_separate_rollout_rank_repeats_the_colocated_policy_lag"),
+        "two 3-process training runs of minutes; the tool's runs are checked to pass the launch checks, its "
+        "figures against hand sums, and the separate placement it times is tested end to end"),
     "bash tools/demo.sh": (
         ("tests/unit/test_make_tiny_hf.py::test_files",
          f"{T_HF_RUNS}::test_dataset_run_resumes_with_the_next_prompts",
