@@ -35,14 +35,8 @@ def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_
     _check_launch(nodes, gpus_per_node, gpu_memory_gib)
     recipe = load_recipe(path, overrides)
     world = nodes * gpus_per_node
+    dp = recipe.check_launch(world, here=False)
     trainers = recipe.rollout.trainer_world(world)
-    try:
-        dp = recipe.check_layout(trainers, here=False)
-    except ValueError as err:
-        if not recipe.rollout.separate:
-            raise
-        raise ValueError(f"the trainer ranks are {trainers} ({world} launched less rollout.num_ranks="
-                         f"{recipe.rollout.num_ranks}, rollout.placement: separate): {err}") from None
     counts = parameter_counts(recipe.model, recipe.parallel)
     memory = estimate_memory(recipe, trainers, gpu_memory_gib * GiB)
     rollout_ranks = _rollout_ranks(recipe, world, gpu_memory_gib)

@@ -30,14 +30,8 @@ def load_and_check(config: str, overrides: list[str], world_size: int) -> Recipe
     ranks that train: rollout.placement separate keeps the last rollout.num_ranks apart);
     ValueError naming the key and the fix otherwise."""
     recipe = load_recipe(config, overrides)
-    launch_world, world_size = world_size, recipe.rollout.trainer_world(world_size)
-    try:
-        recipe.check_layout(world_size)
-    except ValueError as err:
-        if not recipe.rollout.separate:
-            raise
-        raise ValueError(f"the trainer ranks are {world_size} ({launch_world} launched less rollout.num_ranks="
-                         f"{recipe.rollout.num_ranks}, rollout.placement: separate): {err}") from None
+    recipe.check_launch(world_size)
+    world_size = recipe.rollout.trainer_world(world_size)
     if recipe.trainer.resume:
         check_resumable(recipe.run_dir, recipe.parallel.layout(world_size),
                         distributed_optimizer=recipe.optim.use_distributed_optimizer)

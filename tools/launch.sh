@@ -212,11 +212,9 @@ except Exception as err:  # what the trainer would refuse at start too (a bad ke
     print("error", " ".join(str(err).split()))
     sys.exit()
 try:
-    recipe.check_layout(trainers, here=False)
+    recipe.check_launch(world, here=False)
 except ValueError as err:
-    apart = (f"the trainer ranks are {trainers} ({world} less rollout.num_ranks={recipe.rollout.num_ranks}, "
-             "rollout.placement: separate): ") if recipe.rollout.separate else ""
-    print("error", apart + " ".join(str(err).split()))
+    print("error", " ".join(str(err).split()))
 else:
     print("roles", trainers, world - trainers)
 EOF

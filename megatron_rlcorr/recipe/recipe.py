@@ -78,6 +78,19 @@ class Recipe:
                              f"packing), or rollout_is_batch_normalize: false")
         return dp
 
+    def check_launch(self, launch_world: int, *, here: bool = True) -> int:
+        """check_layout for a torchrun launch of `launch_world` ranks: the ranks that train are all of
+        them, or all but the last rollout.num_ranks with rollout.placement separate (an error then
+        says so). Returns the data-parallel size."""
+        trainers = self.rollout.trainer_world(launch_world)
+        try:
+            return self.check_layout(trainers, here=here)
+        except ValueError as err:
+            if not self.rollout.separate:
+                raise
+            raise ValueError(f"the trainer ranks are {trainers} ({launch_world} launched less rollout.num_ranks="
+                             f"{self.rollout.num_ranks}, rollout.placement: separate): {err}") from None
+
     def _check_mini_batch(self, dp: int) -> int:
         """The sequences per DP rank per mini-batch, after checking the batch sizes divide."""
         prompts, n = self.data.prompts_per_step, self.rollout.n

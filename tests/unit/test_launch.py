@@ -198,7 +198,7 @@ def test_recipe_checked_for_the_launch_world_and_roles_printed(tmp_path):
     proc = launch(TINY, *separate[:1], "rollout.num_ranks=3", env=env)
     assert proc.returncode == 2 and "rollout.num_ranks=3 leaves no trainer in a launch of 3 ranks" in proc.stderr
     proc = launch(TINY, "--dry-run", *separate[:1], "rollout.num_ranks=2", env={**env, "GPUS_PER_NODE": "5"})
-    assert proc.returncode == 2 and ("the trainer ranks are 3 (5 less rollout.num_ranks=2, rollout.placement: "
+    assert proc.returncode == 2 and ("the trainer ranks are 3 (5 launched less rollout.num_ranks=2, rollout.placement: "
                                      "separate): data.prompts_per_step=16 must be divisible") in proc.stderr
     assert not (tmp_path / "logs").exists()  # a refused launch creates nothing
     # 2 ranks colocated: every rank generates, then trains.
