@@ -15,6 +15,9 @@ from tests.runs import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "tools" / "launch.sh"
 TINY = "recipes/tiny_cpu.yaml"
+# The launcher checks the recipe for its launch (with the `python` on PATH, the test's own here):
+# these make the tiny recipe valid on every topology below (32, 16, 12 and 10 ranks).
+ANY_WORLD = ("data.prompts_per_step=480", "trainer.micro_batch_size=1")
 # What the launcher reads: cleared so that the machine running the tests (a SLURM job, a shell
 # with NCCL settings) does not change the outcome.
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "PYTHON", "LOG_DIR",
@@ -26,6 +29,8 @@ DEFAULT_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_AVOID_RECORD_STRE
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    # `python` is the interpreter running the tests, which imports the project: the recipe is checked
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return {**env, **extra}
 
 
@@ -64,11 +69,12 @@ def test_dry_run_with_explicit_topology(tmp_path):
     env = clean_env(NNODES="4", NODE_RANK="3", MASTER_ADDR="node-a", MASTER_PORT="6001", GPUS_PER_NODE="8",
                     NCCL_IB_TIMEOUT="22", LOG_DIR=str(tmp_path / "logs"))
     # --dry-run may come anywhere among the arguments.
-    proc = launch(TINY, "trainer.steps=3", "--dry-run", "optim.lr=1e-4", env=env)
+    proc = launch(TINY, "trainer.steps=3", "--dry-run", "optim.lr=1e-4", *ANY_WORLD, env=env)
     assert proc.returncode == 0, proc.stderr
     assert command_line(proc.stdout) == (
         "+ python -m torch.distributed.run --nnodes=4 --node-rank=3 --nproc-per-node=8 --master-addr=node-a "
-        "--master-port=6001 -m megatron_rlcorr.train --config recipes/tiny_cpu.yaml trainer.steps=3 optim.lr=1e-4")
+        "--master-port=6001 -m megatron_rlcorr.train --config recipes/tiny_cpu.yaml trainer.steps=3 optim.lr=1e-4 "
+        + " ".join(ANY_WORLD))
     assert exports(proc.stdout) == {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "node-a", "MASTER_PORT": "6001",
                                     "GPUS_PER_NODE": "8", **DEFAULT_ENV,
                                     "NCCL_IB_TIMEOUT": "22"}  # the user's value wins
@@ -105,11 +111,11 @@ def test_dry_run_under_slurm(tmp_path):
                         'printf "gpu-07\\ngpu-08\\n"\n')
     env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2",
                     SLURM_NODEID="1", SLURM_JOB_NODELIST="gpu-[07-08]", SLURM_GPUS_PER_NODE="h100:8")
-    proc = launch(TINY, "--dry-run", env=env)
+    proc = launch(TINY, "--dry-run", *ANY_WORLD, env=env)
     assert proc.returncode == 0, proc.stderr
     assert command_line(proc.stdout) == (
         "+ python -m torch.distributed.run --nnodes=2 --node-rank=1 --nproc-per-node=8 --master-addr=gpu-07 "
-        "--master-port=29500 -m megatron_rlcorr.train --config recipes/tiny_cpu.yaml")
+        "--master-port=29500 -m megatron_rlcorr.train --config recipes/tiny_cpu.yaml " + " ".join(ANY_WORLD))
     assert exports(proc.stdout) == {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "gpu-07", "MASTER_PORT": "29500",
                                     "GPUS_PER_NODE": "8", **DEFAULT_ENV}
 
@@ -118,10 +124,10 @@ def test_slurm_fallbacks_and_user_values_first(tmp_path):
     bin_dir = fake_tool(tmp_path / "bin", "scontrol", 'printf "a1\\na2\\na3\\n"\n')
     base = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="3", SLURM_NODEID="2",
                      SLURM_JOB_NODELIST="a[1-3]", SLURM_GPUS_ON_NODE="4", SLURM_GPUS_PER_NODE="h100:8")
-    found = exports(launch(TINY, "--dry-run", env=base).stdout)
+    found = exports(launch(TINY, "--dry-run", *ANY_WORLD, env=base).stdout)
     # SLURM_NNODES when SLURM_JOB_NUM_NODES is missing; SLURM_GPUS_ON_NODE before SLURM_GPUS_PER_NODE.
     assert (found["NNODES"], found["NODE_RANK"], found["MASTER_ADDR"], found["GPUS_PER_NODE"]) == ("3", "2", "a1", "4")
-    mine = exports(launch(TINY, "--dry-run", env={**base, "NNODES": "5", "NODE_RANK": "4", "MASTER_ADDR": "head",
+    mine = exports(launch(TINY, "--dry-run", *ANY_WORLD, env={**base, "NNODES": "5", "NODE_RANK": "4", "MASTER_ADDR": "head",
                                                    "GPUS_PER_NODE": "2", "CUDA_DEVICE_MAX_CONNECTIONS": "8"}).stdout)
     assert (mine["NNODES"], mine["NODE_RANK"], mine["MASTER_ADDR"], mine["GPUS_PER_NODE"]) == ("5", "4", "head", "2")
     assert mine["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
