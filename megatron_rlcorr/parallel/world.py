@@ -42,21 +42,9 @@ class LaunchWorld:
     sync: dist.ProcessGroup | None         # trainer rank 0 + the rollout ranks; None elsewhere
 
     @property
-    def num_rollout(self) -> int:
-        return self.size - self.num_trainers
-
-    @property
     def rollout_leader(self) -> int:
         """The launch rank of the first rollout rank: it speaks for the rollout side."""
         return self.num_trainers
-
-    @property
-    def trainer_ranks(self) -> range:
-        return range(self.num_trainers)
-
-    @property
-    def rollout_ranks(self) -> range:
-        return range(self.num_trainers, self.size)
 
 
 def split_world(num_rollout: int, *, backend: str, timeout: datetime.timedelta) -> LaunchWorld:

@@ -42,21 +42,19 @@ import io
 import pickle
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ..data.tasks import build_task
 from ..model.weight_stream import MiB, drain, weight_buckets
 from ..parallel.world import LaunchWorld, broadcast
-from ..rollout import make_engine
-from ..rollout.base import engine_max_model_len
 from .sampling import RolloutGroups
-from .step_sampling import StepSampler, rollout_stats
-from .validation import load_val_prompts, validate
+from .step_sampling import build_generation, rollout_stats
+from .validation import validate
 
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
@@ -257,16 +255,7 @@ class RolloutWorker:
         self.recipe, self.groups, self.launch = recipe, groups, launch
         self.device = _sync_device()
         self.leader = launch.rank == launch.rollout_leader
-        trainer = recipe.trainer
-        task = build_task(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint, seed=trainer.seed)
-        tok = task.tokenizer
-        max_model_len = engine_max_model_len(recipe.rollout, recipe.data.max_prompt_length,
-                                             recipe.model.max_position_embeddings)
-        self.engine = make_engine(recipe.rollout, recipe.model, eos_token_id=tok.eos_ids, pad_token_id=tok.pad_id,
-                                  device=self.device, max_model_len=max_model_len, seed=trainer.seed)
-        self.sampler = StepSampler(recipe, task, self.engine, groups, self.device)
-        self.val_task, self.val_prompts = (load_val_prompts(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint)
-                                           if recipe.data.val_files else (None, []))
+        self.engine, self.sampler, self.val_task, self.val_prompts = build_generation(recipe, groups, self.device)
         self.dp_ranks: tuple[int, ...] = ()
         # Rollouts sent ahead: the trainer takes them when it reaches their step, so the leader never
         # waits for that (it would wait while the trainer waits to send it weights).

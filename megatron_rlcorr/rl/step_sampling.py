@@ -8,14 +8,23 @@ samples from (seed, step, round, prompt index), and a dataset is read in order f
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..data.datasets import PromptDataset
-from ..data.tasks import Prompt, Task
+from ..data.tasks import Prompt, Task, build_task
+from ..rollout import make_engine
+from ..rollout.base import engine_max_model_len
 from .rollout_world import sample_round
-from .sampling import RolloutGroups, SamplingStats, derive_seed, dynamic_sample, seeded_generator
+from .sampling import (
+    RolloutGroups,
+    SamplingStats,
+    derive_seed,
+    dynamic_sample,
+    seeded_generator,
+)
+from .validation import load_val_prompts
 
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
@@ -74,6 +83,30 @@ class StepSampler:
 
         batch, first, stats = dynamic_sample(draw, recipe.data.prompts_per_step, recipe.algorithm.dynamic_sampling)
         return batch, first, stats, dropped, generated["tokens"]
+
+
+class Generation(NamedTuple):
+    """What a generating rank holds: the engine, its StepSampler (and the task) and the validation prompts."""
+
+    engine: RolloutEngine
+    sampler: StepSampler
+    val_task: Task | None
+    val_prompts: list[Prompt]
+
+
+def build_generation(recipe: RunSettings, groups: ParallelGroups, device: torch.device) -> Generation:
+    """The engine (weights come later), the step sampler over the task and the validation prompts
+    (data.val_files, read once: every usable row, in file order) of a generating rank."""
+    trainer = recipe.trainer
+    task = build_task(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint, seed=trainer.seed)
+    tok = task.tokenizer
+    max_model_len = engine_max_model_len(recipe.rollout, recipe.data.max_prompt_length,
+                                         recipe.model.max_position_embeddings)
+    engine = make_engine(recipe.rollout, recipe.model, eos_token_id=tok.eos_ids, pad_token_id=tok.pad_id,
+                         device=device, max_model_len=max_model_len, seed=trainer.seed)
+    val_task, val_prompts = (load_val_prompts(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint)
+                             if recipe.data.val_files else (None, []))
+    return Generation(engine, StepSampler(recipe, task, engine, groups, device), val_task, val_prompts)
 
 
 def rollout_stats(rollouts: RolloutGroups, first: RolloutGroups, stats: SamplingStats,

@@ -48,12 +48,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..data.tasks import DataSettings, Prompt, build_task
+from ..data.tasks import DataSettings, Prompt
 from ..model.config import ModelConfig
 from ..parallel.groups import ParallelGroups
 from ..parallel.layout import ParallelSettings
-from ..rollout import RolloutConfig, load_model_weights, make_engine
-from ..rollout.base import engine_max_model_len
+from ..rollout import RolloutConfig, load_model_weights
 from ..training import checkpoint
 from ..training.offload import TrainerOffload
 from ..training.optimizer import OptimSettings, build_model_and_optimizer, sync_params
@@ -71,8 +70,8 @@ from .progress import MetricsLogger
 from .rollout_world import share_of_replica
 from .sampling import RolloutGroups
 from .settings import AlgorithmSettings, TrainerSettings
-from .step_sampling import StepSampler, rollout_stats
-from .validation import load_val_prompts, validate, write_generations
+from .step_sampling import build_generation, rollout_stats
+from .validation import validate, write_generations
 
 
 
@@ -109,8 +108,6 @@ class Trainer:
         self.rank0 = dist.get_rank() == 0
         # rollout.placement separate: the rollout ranks hold the engine and the task (rl/async_rollout.py)
         self.separate = groups.launch is not None
-        self.task = None if self.separate else build_task(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint,
-                                                          seed=recipe.trainer.seed)
         trainer = recipe.trainer
         self.model, self.optimizer, self.scheduler = build_model_and_optimizer(
             recipe.model, recipe.optim, groups, seed=trainer.seed, total_steps=trainer.steps)
@@ -140,16 +137,7 @@ class Trainer:
             raise ValueError(f"the process groups were built for rollout groups of {groups.rollout_group_size} ranks "
                              f"but rollout.tensor_parallel_size={recipe.rollout.tensor_parallel_size}: build them with "
                              "build_parallel_groups(..., rollout_tp=rollout.tensor_parallel_size)")
-        tok = self.task.tokenizer
-        max_model_len = engine_max_model_len(recipe.rollout, recipe.data.max_prompt_length,
-                                             recipe.model.max_position_embeddings)
-        self.engine = make_engine(recipe.rollout, recipe.model, eos_token_id=tok.eos_ids, pad_token_id=tok.pad_id,
-                                  device=self.device, max_model_len=max_model_len,
-                                  seed=trainer.seed)
-        self.sampler = StepSampler(recipe, self.task, self.engine, groups, self.device)
-        # Validation prompts (data.val_files), read once: every usable row, in file order.
-        self.val_task, self.val_prompts = (load_val_prompts(recipe.data, tokenizer_dir=recipe.model.hf_checkpoint)
-                                           if recipe.data.val_files else (None, []))
+        self.engine, self.sampler, self.val_task, self.val_prompts = build_generation(recipe, groups, self.device)
 
     # ---- the loop -------------------------------------------------------------------------------
 
