@@ -1,5 +1,6 @@
 """docs/: the generated configuration reference is current, no recipe key is added without a
-description, and every command of a ```bash block in docs/*.md is exercised by a test.
+description, every command of a ```bash block in README.md and docs/*.md is exercised by a test,
+and every relative link of those pages resolves.
 
 "Exercised" is one of two things, and every command must be one of them (a command that is
 neither fails `test_every_docs_command_is_run_or_mapped`, so a new one cannot slip in untested):
@@ -35,6 +36,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
+
+
+def _pages() -> list[Path]:
+    """The pages whose commands and links are checked: the README and every page of docs/."""
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
 # ---- docs/configuration.md and the generator ----------------------------------------------------
@@ -124,7 +130,7 @@ def test_no_recipe_key_is_added_without_a_description():
 
 @dataclass(frozen=True)
 class DocCommand:
-    page: str
+    page: str        # relative to the repository: README.md, docs/<name>.md
     text: str        # the command as written (continuation lines joined), without its comment
     comment: str
 
@@ -153,7 +159,7 @@ def _split_comment(line: str) -> tuple[str, str]:
 
 def doc_commands() -> list[DocCommand]:
     commands = []
-    for page in sorted(DOCS.glob("*.md")):
+    for page in _pages():
         for block in re.findall(r"^```bash\n(.*?)^```", page.read_text(), re.S | re.M):
             logical, pending = [], ""
             for line in block.splitlines():
@@ -165,7 +171,7 @@ def doc_commands() -> list[DocCommand]:
             for line in logical:
                 text, comment = _split_comment(line)
                 if text:
-                    commands.append(DocCommand(page.name, text, comment))
+                    commands.append(DocCommand(str(page.relative_to(ROOT)), text, comment))
     return commands
 
 
@@ -192,6 +198,65 @@ ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
     "parallel.tp=2": (
         (f"{T_HF_RUNS}::test_score_matches_transformers",),
         "a 2-process torchrun scoring (the test runs tp1, tp2, cp2, pp2 and dp2)"),
+    # README.md
+    "bash tools/test.sh": (
+        ("tests/unit/test_readme.py::test_ci_runs_the_readme_test_command",
+         "tests/unit/test_readme.py::test_the_test_command_fails_when_pytest_collects_nothing"),
+        "the whole suite, minutes to half an hour: CI (.ci/run) runs exactly this command, and the second test "
+        "runs it on a selection that collects nothing and checks that it fails"),
+    "megatron-rlcorr eval --model runs/my_run --data /data/aime-2024.parquet --out eval/my_run --n 16 "
+    "--temperature 1.0": (
+        ("tests/distributed/test_eval_run.py::test_greedy_eval_is_transformers_greedy_and_metrics_match_generations",
+         "tests/unit/test_eval.py::test_sampling_options_set_val_kwargs_and_max_new_tokens",
+         "tests/unit/test_eval.py::test_the_launch_command_line_round_trips"),
+        "needs a trained run and the AIME parquet; eval's torchrun run is tested on the tiny checkpoint and data, "
+        "its sampling options and launch line in-process"),
+    "megatron-rlcorr export --model runs/my_run --out /models/my_run_hf": (
+        (f"{T_HF_RUNS}::test_export_of_a_run_equals_its_save_hf",),
+        "needs a trained run directory; the test exports a trained tiny run and compares it with its save_hf"),
+    # README.md and troubleshooting.md
+    "megatron-rlcorr train --config recipes/tiny_cpu.yaml --nproc 2 trainer.dump_every=25": (
+        ("tests/distributed/test_dumps.py::test_dumps_hold_the_step_batch_the_same_under_every_layout",
+         "tests/distributed/test_dumps.py::test_analyze_reads_a_tiny_cpu_run_and_reproduces_the_trainers_metrics",
+         "tests/unit/test_readme.py::test_the_analyze_section_commands_run"),
+        "a 2-process training run of minutes; the tests train tiny_cpu with trainer.dump_every and analyze the run"),
+    # benchmarks.md
+    "python tools/ablate.py --recipe recipes/tiny_hf_cpu.yaml --lag 0 --seeds 1 2 3 --settings none --steps 150 "
+    "--out runs/ablation/lag0_lr3e-4 trainer.dump_every=1 optim.lr=3e-4": (
+        ("tests/unit/test_readme.py::test_the_ablation_section_shows_the_committed_results",
+         "tests/unit/test_ablate.py::test_end_to_end_two_settings_one_seed"),
+        "3 training runs of about 45 s on 2 cores; the first test checks that the command, as written, is valid "
+        "and is the one that produced the committed docs/ablation/lr3e-4/lag0, the second runs the tool end to end"),
+    "python tools/ablate.py --recipe recipes/tiny_hf_cpu.yaml --lag 2 --seeds 1 2 3 --settings none token_is "
+    "seq_is_rs dapo ppo_is_bypass --steps 150 --out runs/ablation/lag2_lr3e-4 --reference runs/ablation/lag0_lr3e-4 "
+    "trainer.dump_every=1 optim.lr=3e-4": (
+        ("tests/unit/test_readme.py::test_the_ablation_section_shows_the_committed_results",
+         "tests/unit/test_ablate.py::test_a_reference_ablation_joins_the_table_and_figure",
+         "tests/unit/test_ablate.py::test_end_to_end_two_settings_one_seed"),
+        "15 training runs of about 45 s on 2 cores; the first test checks the command against the committed "
+        "docs/ablation/lr3e-4, the others the reference join and the tool end to end"),
+    "python tools/ablate.py --recipe recipes/tiny_hf_cpu.yaml --lag 2 --seeds 1 2 3 --settings none token_is "
+    "seq_is_rs dapo dapo_wide dapo_bypass decoupled_seq_is ppo_is_bypass --define dapo_wide dapo "
+    "rollout_rs_threshold_lower=0.31 rollout_rs_threshold=1.28 --define dapo_bypass dapo bypass_mode=true --steps 150 "
+    "--out runs/ablation/lag2 --reference docs/ablation/lag0 trainer.dump_every=1": (
+        ("tests/unit/test_readme.py::test_the_ablation_section_shows_the_committed_results",
+         "tests/unit/test_ablate.py::test_define_a_setting_of_your_own",
+         "tests/unit/test_ablate.py::test_end_to_end_two_settings_one_seed"),
+        "24 training runs of about 45 s on 2 cores; the first test checks the command against the committed "
+        "docs/ablation, the others --define and the tool end to end"),
+    # models-and-data.md
+    "megatron-rlcorr train --config my_run.yaml --nproc 8 parallel.tp=4": (
+        ("tests/unit/test_readme.py::test_the_hugging_face_recipe_example_loads",
+         "tests/distributed/test_trainer.py::test_torchrun_end_to_end_writes_finite_metrics"),
+        "8 ranks of a 7B model need GPUs and the checkpoint; the page's recipe, its paths pointed at the tiny "
+        "files, loads and passes the launch checks for 8 processes in the first test"),
+    # vllm.md and scaling.md
+    "pip install -e .[vllm]": (
+        ("tests/unit/test_readme.py::test_the_vllm_rollout_example_is_a_valid_rollout_section",
+         "tests/unit/test_readme.py::test_the_cluster_section_commands_run",
+         "tests/unit/test_vllm_engine.py::test_the_llm_is_built_for_colocated_external_launcher_ranks"),
+        "installs vLLM from the package registry, for GPU machines; the pin is checked against setup.py's extra, "
+        "and the adapter is tested against the stand-in of vLLM 0.25.1's surface (the real one where it exists)"),
     # moe.md
     "python tools/make_tiny_hf.py --moe --out runs/tiny_hf_moe_files": (
         ("tests/unit/test_make_tiny_hf.py::test_moe_config_and_weights",
@@ -255,8 +320,8 @@ ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
     "megatron-rlcorr train --config recipes/dapo_qwen2.5_7b_rollout_corr.yaml --nproc 8": (
         ("tests/unit/test_readme.py::test_the_cluster_section_commands_run",
          "tests/unit/test_plan.py::test_cluster_recipes_validate_and_fit"),
-        "8 H100s, vLLM and the Qwen2.5-7B checkpoint; here it stops at the placeholder checkpoint path, which the "
-        "README test checks, and the layout is validated by plan"),
+        "8 H100s, vLLM and the Qwen2.5-7B checkpoint; here it stops at the placeholder checkpoint path, which "
+        "test_readme's cluster test checks, and the layout is validated by plan"),
     # troubleshooting.md
     "megatron-rlcorr train --config recipes/tiny_cpu.yaml --nproc 2 name=my_run trainer.dump_every=10": (
         ("tests/distributed/test_dumps.py::test_dumps_hold_the_step_batch_the_same_under_every_layout",),
@@ -321,6 +386,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "my_run.yaml": _imported_32b,
     "scored.jsonl": _scored,
     "runs/my_run": _run_dir,
+    "runs/tiny_cpu": _run_dir,  # before its metrics.jsonl: a command naming that file gets _metrics' file
     "runs/tiny_cpu/metrics.jsonl": _metrics,
     "run_dapo_qwen2.5_32b_rollout_corr.sh":
         lambda p: shutil.copy(ROOT / "tests" / "verl_scripts" / "dapo_qwen2_5_32b_rollout_corr.sh", p),
@@ -468,7 +534,8 @@ def test_the_docs_have_commands_of_both_kinds():
     """The collection itself works: the pages' blocks are found, comments split off, lines joined."""
     commands = doc_commands()
     pages = {c.page for c in commands}
-    assert {"scaling.md", "troubleshooting.md", "training.md", "parallel.md"} <= pages
+    assert {"README.md", "docs/scaling.md", "docs/troubleshooting.md", "docs/training.md", "docs/parallel.md",
+            "docs/benchmarks.md", "docs/models-and-data.md", "docs/vllm.md"} <= pages
     assert len(_runnable_commands()) >= 15
     assert _split_comment('echo "a # b"  # c') == ('echo "a # b"', "c")
     assert DocCommand("x", "plan", "exits 1: does not fit").expected_exit == 1
@@ -492,16 +559,19 @@ def _anchors(markdown: str) -> set[str]:
 
 
 def test_links_between_pages_resolve():
-    """Every relative link of docs/*.md names a file that exists, and a `#anchor` a heading of it."""
+    """Every relative link of README.md and docs/*.md names a file that exists, and a `#anchor` a
+    heading of it."""
     broken = []
-    for page in sorted(DOCS.glob("*.md")):
+    pages = _pages()
+    assert pages[0].name == "README.md" and len(pages) > 10
+    for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
             if re.match(r"[a-z]+://", target):
                 continue
             path, _, anchor = target.partition("#")
             linked = (page.parent / path) if path else page
             if not linked.exists():
-                broken.append(f"{page.name}: {target} (no such file)")
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked.read_text()):
-                broken.append(f"{page.name}: {target} (no such heading)")
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, broken

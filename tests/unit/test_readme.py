@@ -1,11 +1,22 @@
-"""The README: its quick start is exactly the two commands newcomers copy, both scripts exist, and
-its recipe example for a Hugging Face checkpoint and a parquet file loads."""
+"""The README and the docs it sends readers to: the quick start is exactly the two commands newcomers
+copy and both scripts exist; the README stays a landing page (at most 200 lines) that names every
+install extra, recipe and architecture preset; and the examples the README moved into docs/ (the
+Hugging Face recipe, vLLM, the cluster path, `analyze`, the ablation, the CI subset) are true."""
+import ast
 import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+def _section(path: Path, heading: str) -> str:
+    """The text of a page from `heading` (a "## ..." line's start) to the next "## " heading."""
+    text = path.read_text()
+    assert heading in text, f"{path.relative_to(ROOT)} has no {heading!r}"
+    return text.split(heading, 1)[1].split("\n## ", 1)[0]
 
 
 def _quick_start_commands() -> list[str]:
@@ -25,7 +36,7 @@ def test_ci_runs_the_readme_test_command():
         assert (ROOT / script).is_file(), script
 
 
-def test_ci_runs_the_newest_megatron_core_on_the_subset_the_readme_names():
+def test_ci_runs_the_newest_megatron_core_on_the_subset_the_docs_name():
     ci = (ROOT / ".ci" / "run").read_text()
     subset = [t.strip('"') for t in re.search(r"MCORE_LATEST_TESTS=\((.*?)\n\)", ci, re.S).group(1).split()]
     assert 'bash tools/test.sh --mcore-latest "${MCORE_LATEST_TESTS[@]}"' in ci and "set -euo pipefail" in ci
@@ -34,9 +45,12 @@ def test_ci_runs_the_newest_megatron_core_on_the_subset_the_readme_names():
         path, _, name = test.partition("::")
         assert (ROOT / path).is_file(), test
         assert not name or f"def {name.split('[')[0]}(" in (ROOT / path).read_text(), test
-    tests = (ROOT / "README.md").read_text().split("## Tests", 1)[1].split("\n## ", 1)[0]
-    paragraph = next(p for p in tests.split("\n\n") if "--mcore-latest" in p)
+    # docs/testing.md (the README's "Tests" links there): the paragraph on what CI runs with
+    # --mcore-latest names exactly the subset, in .ci/run's order
+    tests = _section(DOCS / "testing.md", "## Two Megatron-Core versions")
+    paragraph = next(p for p in tests.split("\n\n") if ".ci/run" in p and "--mcore-latest" in p)
     assert re.findall(r"`(tests/[^`]+)`", paragraph) == subset
+    assert "docs/testing.md" in _section(ROOT / "README.md", "## Tests")
 
 
 def test_the_test_command_fails_when_pytest_collects_nothing():
@@ -57,12 +71,11 @@ def test_the_test_command_fails_when_pytest_collects_nothing():
 
 
 def test_the_hugging_face_recipe_example_loads(tiny_hf, tmp_path):
-    """The README's recipe for a Hugging Face checkpoint and a parquet file, with its placeholder
-    paths pointed at the tiny files, loads and passes the launch checks for 8 processes."""
+    """docs/models-and-data.md's recipe for a Hugging Face checkpoint and a parquet file, with its
+    placeholder paths pointed at the tiny files, loads and passes the launch checks for 8 processes."""
     from megatron_rlcorr.recipe import load_recipe
 
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## From a Hugging Face checkpoint", 1)[1].split("\n## ", 1)[0]
+    section = _section(DOCS / "models-and-data.md", "## From a Hugging Face checkpoint")
     example = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
     example = (example.replace("recipes/tiny_hf_cpu.yaml", str(ROOT / "recipes" / "tiny_hf_cpu.yaml"))
                .replace("/models/Qwen2.5-7B-Instruct", str(tiny_hf / "model"))
@@ -88,7 +101,7 @@ def test_the_vllm_rollout_example_is_a_valid_rollout_section():
     from megatron_rlcorr.rollout import RolloutConfig
     from megatron_rlcorr.settings import from_mapping
 
-    section = (ROOT / "README.md").read_text().split("## Rollouts with vLLM", 1)[1].split("\n## ", 1)[0]
+    section = (DOCS / "vllm.md").read_text()
     example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
     cfg = from_mapping(RolloutConfig, example["rollout"], "rollout")
     assert (cfg.engine, cfg.tensor_parallel_size, cfg.sleep_level) == ("vllm", 4, 2)
@@ -96,13 +109,14 @@ def test_the_vllm_rollout_example_is_a_valid_rollout_section():
 
 
 def _cluster_section() -> str:
-    return (ROOT / "README.md").read_text().split("## From a laptop to a cluster", 1)[1].split("\n## ", 1)[0]
+    return _section(DOCS / "scaling.md", "## From a laptop to a cluster")
 
 
 def test_the_cluster_section_commands_run(tmp_path, capsys, monkeypatch):
-    """Every command of "From a laptop to a cluster": the plans run and fit; the train command stops
-    at the placeholder checkpoint path with the fix; the launches print their torchrun lines
-    (--dry-run; srun's part through a SLURM environment); pip is the documented install."""
+    """Every command of docs/scaling.md's "From a laptop to a cluster": the plans run and fit, and the
+    plan output it quotes is what plan prints; the train command stops at the placeholder checkpoint
+    path with the fix; the launches print their torchrun lines (--dry-run; srun's part through a SLURM
+    environment); pip is the documented install."""
     import os
     import shlex
     import subprocess
@@ -117,11 +131,13 @@ def test_the_cluster_section_commands_run(tmp_path, capsys, monkeypatch):
     scontrol = tmp_path / "scontrol"
     scontrol.write_text("#!/bin/sh\nprintf 'node001\\nnode002\\n'\n")
     scontrol.chmod(0o755)
+    printed = {}
     for command in commands:
         words = shlex.split(command)
         if words[0] == "megatron-rlcorr" and words[1] == "plan":
             assert main(words[1:]) == 0, command
-            assert capsys.readouterr().out
+            printed[command] = capsys.readouterr().out
+            assert printed[command]
         elif words[0] == "megatron-rlcorr" and words[1] == "train":
             assert main(words[1:]) == 2, command
             assert "model.hf_checkpoint=/path/to/Qwen2.5-7B is not a directory" in capsys.readouterr().err
@@ -144,10 +160,12 @@ def test_the_cluster_section_commands_run(tmp_path, capsys, monkeypatch):
             torchrun = [line for line in out.stdout.splitlines() if line.startswith("+ ")]
             assert len(torchrun) == 1 and "--nnodes=16" in torchrun[0] and "--nproc-per-node=8" in torchrun[0]
             assert "-m megatron_rlcorr.train --config recipes/dapo_qwen2.5_32b_rollout_corr.yaml" in torchrun[0]
+    quoted = re.search(r"```text\n(.*?)```", _cluster_section(), re.S).group(1)
+    assert quoted in printed["megatron-rlcorr plan recipes/dapo_qwen2.5_32b_rollout_corr.yaml --nodes 16 --gpus-per-node 8"]
 
 
 def test_the_analyze_section_commands_run(tmp_path, monkeypatch, capsys):
-    """"Seeing the mismatch": the train command writes dumps (tests/distributed/test_dumps.py trains
+    """docs/troubleshooting.md's "Seeing the mismatch": the train command writes dumps (tests/distributed/test_dumps.py trains
     tiny_cpu with dump_every and analyzes the run); the analyze command runs here, as written, on a
     run directory laid out as that run's (dumps, metrics.jsonl, recipe.yaml) with mismatched data."""
     import json
@@ -157,7 +175,7 @@ def test_the_analyze_section_commands_run(tmp_path, monkeypatch, capsys):
     from megatron_rlcorr.cli import main
     from tests.unit.test_analyze import _records, _write
 
-    section = (ROOT / "README.md").read_text().split("## Seeing the mismatch", 1)[1].split("\n## ", 1)[0]
+    section = _section(DOCS / "troubleshooting.md", "## Seeing the mismatch")
     commands = [shlex.split(line) for line in re.search(r"```bash\n(.*?)```", section, re.S).group(1).splitlines()
                 if line.strip()]
     assert [c[:2] for c in commands] == [["megatron-rlcorr", "train"], ["megatron-rlcorr", "analyze"]]
@@ -179,21 +197,23 @@ def test_the_analyze_section_commands_run(tmp_path, monkeypatch, capsys):
 
 
 def test_the_ablation_section_shows_the_committed_results(monkeypatch):
-    """"What the correction does": each table is a committed ablation's, verbatim, each figure is
-    there, and each command, as written, is valid and is the one that produced its folder (the
-    recorded command differs only by options at their defaults and tensorboard)."""
+    """docs/benchmarks.md's "What the correction does": each table is a committed ablation's, verbatim,
+    each figure is there (linked relative to docs/), and each command, as written, is valid and is the
+    one that produced its folder (the recorded command differs only by options at their defaults and
+    tensorboard)."""
     import copy
     import json
     import shlex
 
     from tests.unit.test_ablate import ablate
 
-    section = (ROOT / "README.md").read_text().split("## What the correction does", 1)[1].split("\n## ", 1)[0]
+    section = _section(DOCS / "benchmarks.md", "## What the correction does")
     committed = {"runs/ablation/lag0_lr3e-4": "docs/ablation/lr3e-4/lag0",
                  "runs/ablation/lag2_lr3e-4": "docs/ablation/lr3e-4", "runs/ablation/lag2": "docs/ablation"}
     for folder in ("docs/ablation/lr3e-4", "docs/ablation"):
         assert (ROOT / folder / "ablation_brief.md").read_text() in section, folder
-        assert f"]({folder}/ablation.png)" in section and (ROOT / folder / "ablation.png").read_bytes()[:4] == b"\x89PNG"
+        link = f"{Path(folder).relative_to('docs')}/ablation.png"  # relative to the page, docs/
+        assert f"]({link})" in section and (DOCS / link).read_bytes()[:4] == b"\x89PNG"
     commands = [shlex.split(line) for block in re.findall(r"```bash\n(.*?)```", section, re.S)
                 for line in block.replace("\\\n", " ").splitlines() if line.strip()]
     assert [c[:2] for c in commands] == [["python", "tools/ablate.py"]] * 3
@@ -211,3 +231,57 @@ def test_the_ablation_section_shows_the_committed_results(monkeypatch):
         # recorded before trainer.logger replaced trainer.tensorboard
         assert set(written.overrides) == set(recorded.overrides) - {"trainer.tensorboard=false"}, written.out
         assert list(saved["summary"]) == written.settings
+
+
+# ---- the README as a landing page -----------------------------------------------------------------
+
+def test_the_readme_is_a_landing_page_of_at_most_200_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the detail into docs/ and link it"
+
+
+def _extras() -> set[str]:
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup")
+    extras = next(k.value for k in call.keywords if k.arg == "extras_require")
+    return {ast.literal_eval(key) for key in extras.keys}
+
+
+def test_the_install_section_lists_every_extra_of_setup_py():
+    section = _section(ROOT / "README.md", "## Install")
+    listed = re.findall(r"^\| `\.\[([A-Za-z0-9_-]+)\]` \|", section, re.M)
+    assert len(listed) == len(set(listed)), listed
+    assert set(listed) == _extras() and "vllm" in listed
+
+
+def test_the_readme_names_every_recipe_and_architecture_preset():
+    from megatron_rlcorr.model.presets import ARCHITECTURES
+
+    readme = (ROOT / "README.md").read_text()
+    ladder = _section(DOCS / "scaling.md", "## The ladder")
+    recipes = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 17
+    assert [r for r in recipes if f"`{r}.yaml`" not in _section(ROOT / "README.md", "## Recipes")] == []
+    assert [r for r in recipes if r not in ladder] == []
+    assert "qwen3-30b-a3b" in ARCHITECTURES and "qwen3-235b-a22b" in ARCHITECTURES
+    for page, text in (("README.md", readme), ("docs/scaling.md", _section(DOCS / "scaling.md", "## Architectures"))):
+        missing = [name for name in ARCHITECTURES
+                   if f"`{name}`" not in text
+                   and not (name.endswith("-instruct") and f"`{name.removesuffix('-instruct')}`" in text
+                            and "`-instruct`" in text)]
+        assert not missing, (page, missing)
+
+
+def test_the_readme_and_the_api_page_cite_nothing_outside_the_repository():
+    """The correction's contract is described in docs/api.md, not cited from a SPEC the repository
+    does not hold."""
+    for path in (ROOT / "README.md", DOCS / "api.md"):
+        assert "SPEC" not in path.read_text(), path
+    assert "](docs/api.md)" in (ROOT / "README.md").read_text()
+
+
+def test_the_docs_index_lists_every_page():
+    index = (DOCS / "README.md").read_text()
+    pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "README.md")
+    assert [p for p in pages if f"]({p})" not in index] == []
+    assert "](docs/README.md)" in (ROOT / "README.md").read_text()
