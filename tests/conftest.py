@@ -21,6 +21,12 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.tiers import SLOW
+
+    slow = set(SLOW)
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -54,3 +60,10 @@ def tiny_hf_moe(tmp_path_factory):
     """tools/make_tiny_hf.py --moe: its Qwen3-MoE checkpoint (`model/`: layer 0 dense, layers 1-2 with 8 experts,
     top-2) and the same parquets as `tiny_hf`, built once per test session (about 25 s of CPU)."""
     return _make_tiny_hf(tmp_path_factory, "tiny_hf_moe", "--moe")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The distributed tests' process pools (tests/dist_pool.py) end with the session."""
+    from tests.dist import close_pools
+
+    close_pools()

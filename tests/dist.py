@@ -1,7 +1,10 @@
 """Run a function on N processes on this machine and collect what each rank returns.
 
 Used by every distributed test: `run_distributed(fn, world_size, *args)` returns the list of
-per-rank results (rank order): gloo processes on the CPU, or with backend="nccl" one GPU each.
+per-rank results (rank order). gloo (the CPU path): the function runs in the session's pool of
+`world_size` processes (tests/dist_pool.py: spawned once per world size, state checked clean after
+every case); `fresh=True`, or RLCORR_TEST_FRESH_PROCESSES=1 for every test, spawns new processes
+instead, as the suite did before the pool. backend="nccl": new processes, one GPU each.
 Collectives get a short timeout so a hang fails the test instead of stalling CI; an exception on
 any rank is re-raised here with its traceback.
 """
@@ -9,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import traceback
 
@@ -17,13 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.dist_pool import Pool, free_port
+
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_pools: dict[int, "Pool"] = {}
 
 
 def _worker(rank, world_size, port, fn, args, out_dir, backend):
@@ -46,13 +47,42 @@ def _worker(rank, world_size, port, fn, args, out_dir, backend):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, backend: str = "gloo"):
-    """Spawn `world_size` processes running fn(rank, world_size, *args); return their results.
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo", fresh: bool = False):
+    """Run fn(rank, world_size, *args) on `world_size` processes; return their results.
 
-    backend "gloo": CPU processes (the CPU-path tests hide the GPUs themselves); "nccl": one GPU
-    per process, which needs `world_size` GPUs (see `nccl_or_skip`)."""
+    backend "gloo": CPU processes of the session's pool (module docstring; the CPU-path tests hide
+    the GPUs themselves); "nccl": one GPU per process, which needs `world_size` GPUs (see
+    `nccl_or_skip`). `fresh`: new processes for this call alone."""
+    if backend == "gloo" and not fresh and os.environ.get("RLCORR_TEST_FRESH_PROCESSES") != "1":
+        return _run_in_pool(fn, world_size, args)
+    return _run_fresh(fn, world_size, args, backend)
+
+
+def _run_in_pool(fn, world_size: int, args):
+    pool = _pools.pop(world_size, None)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(kill=True)
+        pool = Pool(world_size, COLLECTIVE_TIMEOUT)
+    name = os.environ.get("PYTEST_CURRENT_TEST", fn.__qualname__)
+    try:
+        results = pool.run(fn, args, name)
+    except BaseException:  # a failure, a leak, a dead worker, pytest's timeout: the next case gets new processes
+        pool.close(kill=True)
+        raise
+    _pools[world_size] = pool
+    return results
+
+
+def close_pools() -> None:
+    """Stop every pool (the end of the pytest session)."""
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+def _run_fresh(fn, world_size: int, args, backend: str):
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, out_dir, backend),
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir, backend),
                            nprocs=world_size, join=True, start_method="spawn")
         results = []
         for rank in range(world_size):

@@ -80,8 +80,9 @@ def _worker(rank, world, tp, pp):
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_stream_equals_the_export_in_small_buckets(tp, pp, monkeypatch):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned workers' malloc
-    for rank, result in enumerate(run_distributed(_worker, 2, tp, pp)):
+    # Read by malloc when a process starts: new processes (fresh), not the session's pool.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    for rank, result in enumerate(run_distributed(_worker, 2, tp, pp, fresh=True)):
         full, buckets = result["full"], result["buckets"]
         streamed = {name: tensor for bucket in buckets for name, tensor in bucket}
         assert len(streamed) == sum(len(b) for b in buckets)  # each name once
