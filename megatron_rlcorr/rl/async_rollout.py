@@ -58,7 +58,7 @@ from .validation import validate
 
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
-    from .trainer import RunSettings
+    from .settings import RunSettings
 
 TAG_ROLLOUTS, TAG_VALIDATION = 1, 2
 

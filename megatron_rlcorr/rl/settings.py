@@ -1,4 +1,6 @@
-"""The RL loop's settings: the recipe's `trainer:` and `algorithm:` sections.
+"""The RL loop's settings: the recipe's `trainer:` and `algorithm:` sections, and `RunSettings`,
+what the loop reads of a whole run's settings (recipe.Recipe is one; the protocol keeps rl/ from
+importing recipe/).
 
 `AlgorithmSettings` gathers what the loop applies to rollouts (advantage estimator, DAPO dynamic
 sampling, overlong penalty, KL in the reward) with the loss, the KL loss, the reference policy and
@@ -8,12 +10,18 @@ training/kl.py, training/reference.py, config.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from pathlib import Path
+from typing import ClassVar, Literal, Protocol
 
 from ..config import RolloutCorrectionConfig
+from ..data.tasks import DataSettings
+from ..model.config import ModelConfig
+from ..parallel.layout import ParallelSettings
+from ..rollout.base import RolloutConfig
 from ..settings import check_choice
 from ..training.kl import KLLossSettings
 from ..training.losses import LossConfig
+from ..training.optimizer import OptimSettings
 from ..training.reference import ReferenceSettings
 from .advantages import OverlongPenalty
 from .kl_reward import KLInRewardSettings
@@ -104,3 +112,24 @@ class AlgorithmSettings:
     def uses_reference(self) -> bool:
         """A reference policy is built when a KL penalty (loss or reward) needs it."""
         return self.kl_loss.enabled or self.kl_in_reward.enabled
+
+
+class RunSettings(Protocol):
+    """What the trainer and the rollout ranks read of a run's settings (recipe.Recipe is one)."""
+
+    name: str
+    model: ModelConfig
+    parallel: ParallelSettings
+    rollout: RolloutConfig
+    data: DataSettings
+    algorithm: AlgorithmSettings
+    optim: OptimSettings
+    trainer: TrainerSettings
+    raw: dict  # the resolved YAML tree, saved with the run
+
+    @property
+    def run_dir(self) -> Path: ...
+
+    def check_layout(self, world_size: int) -> int:
+        """Validate the settings against the launch; returns the data-parallel size."""
+        ...

@@ -29,7 +29,7 @@ from .validation import load_val_prompts
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups
     from ..rollout import RolloutEngine
-    from .trainer import RunSettings
+    from .settings import RunSettings
 
 
 class StepSampler:

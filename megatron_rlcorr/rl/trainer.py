@@ -29,10 +29,11 @@ checkpoint's save, which keeps the batches in flight), and receives the validati
 step logs rollout/staleness_mean and _max (also with rollout.policy_lag) and
 timing/wait_for_rollout_s.
 
-Metrics are 0-d tensors until the once-per-step log. Checkpoints are Megatron-Core distributed
-checkpoints (training/checkpoint.py): model, optimizer, scheduler, RNG states, the step and a
-dataset's read position, resumable on any parallel layout (optionally written in the background:
-`trainer.async_save`). Prompts are drawn from (seed, step, round) and a prompt's samples from
+Metrics are 0-d tensors until the once-per-step log (rl/step_metrics.py combines a step's). The
+settings the trainer reads are `RunSettings` (rl/settings.py). Checkpoints are Megatron-Core
+distributed checkpoints (training/checkpoint.py): model, optimizer, scheduler, RNG states, the step
+and a dataset's read position, resumable on any parallel layout (training/resume.py; optionally
+written in the background: `trainer.async_save`). Prompts are drawn from (seed, step, round) and a prompt's samples from
 (seed, step, round, prompt index), so a resumed run repeats the uninterrupted one exactly, and
 runs on different layouts sample the same rollouts from the same weights. With `trainer.save_hf` the model is also written as a Hugging Face
 checkpoint at the end (model/hf.py).
@@ -42,21 +43,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import yaml
 
-from ..data.tasks import DataSettings, Prompt
-from ..model.config import ModelConfig
+from ..data.tasks import Prompt
 from ..parallel.groups import ParallelGroups
-from ..parallel.layout import ParallelSettings
-from ..rollout import RolloutConfig, load_model_weights
+from ..rollout import load_model_weights
 from ..training import checkpoint
 from ..training.offload import TrainerOffload
-from ..training.optimizer import OptimSettings, build_model_and_optimizer, sync_params
+from ..training.optimizer import build_model_and_optimizer, sync_params
 from ..training.reference import ReferencePolicy
+from ..training.resume import load_state, resume_step
 from ..training.routing_replay import routing_metrics
 from ..training.step import (StepBatch, StepConfig, StepCorrection, StepResult, broadcast_from_last_stage,
                              compute_old_log_probs, compute_old_log_probs_and_entropy, old_pass_entropy,
@@ -69,31 +68,13 @@ from .kl_reward import KLController, kl_penalised_rewards
 from .progress import MetricsLogger
 from .rollout_world import share_of_replica
 from .sampling import RolloutGroups
-from .settings import AlgorithmSettings, TrainerSettings
+from .settings import RunSettings
+from .step_metrics import combine_over_updates, rollout_metrics, train_metrics
 from .step_sampling import build_generation, rollout_stats
 from .validation import validate, write_generations
 
-
-
-class RunSettings(Protocol):
-    """What the trainer reads of a run's settings (recipe.Recipe is one)."""
-
-    name: str
-    model: ModelConfig
-    parallel: ParallelSettings
-    rollout: RolloutConfig
-    data: DataSettings
-    algorithm: AlgorithmSettings
-    optim: OptimSettings
-    trainer: TrainerSettings
-    raw: dict  # the resolved YAML tree, saved with the run
-
-    @property
-    def run_dir(self) -> Path: ...
-
-    def check_layout(self, world_size: int) -> int:
-        """Validate the settings against the launch; returns the data-parallel size."""
-        ...
+# RunSettings (rl/settings.py) and combine_over_updates (rl/step_metrics.py) are still importable from here
+__all__ = ["RunSettings", "Trainer", "combine_over_updates", "train"]
 
 
 class Trainer:
@@ -285,7 +266,7 @@ class Trainer:
         if not self.separate:  # separate: run() sends them, after a checkpoint's save
             self._push_weights()
         t_end = time.perf_counter()
-        metrics = {**_rollout_metrics(sums), **_train_metrics(results), **step_metrics, **moe_metrics, **data_metrics}
+        metrics = {**rollout_metrics(sums), **train_metrics(results), **step_metrics, **moe_metrics, **data_metrics}
         gen_s = remote_metrics.pop("timing/gen_s", t_gen - t0)
         metrics.update({"timing/gen_s": gen_s, "timing/train_s": t_train - t_gen,
                         "timing/weight_sync_s": t_end - t_train, "timing/step_s": t_end - t0,
@@ -465,22 +446,14 @@ class Trainer:
         return out
 
     def _restore_or_start(self) -> int:
-        """The step to continue from: the latest checkpoint's with trainer.resume, else 0."""
-        latest = checkpoint.latest_step(self.run_dir)
-        dist.barrier()  # every rank read the marker before rank 0 may remove it
-        if latest is None or not self.recipe.trainer.resume:
-            if latest is not None and self.rank0:
-                (self.run_dir / "checkpoints" / "latest").unlink()  # a fresh run: never resume the old one
-            dist.barrier()
+        """The step to continue from: the latest checkpoint's with trainer.resume, else 0 (training/resume.py)."""
+        latest = resume_step(self.run_dir, self.recipe.trainer.resume)
+        if latest is None:
             return 0
+        state = load_state(self.run_dir, latest, model_chunks=self.model, optimizer=self.optimizer,
+                           scheduler=self.scheduler, groups=self.groups, layout=self._layout(),
+                           distributed_optimizer=self.recipe.optim.use_distributed_optimizer)
         directory = checkpoint.checkpoint_dir(self.run_dir, latest)
-        # The recipe's schedule wins (a run may be extended); the checkpoint gives the step count.
-        self.scheduler.override_opt_param_scheduler, self.scheduler.use_checkpoint_opt_param_scheduler = True, False
-        if checkpoint.is_legacy(directory):
-            state = self._load_legacy(directory)
-        else:
-            state = checkpoint.load(directory, model_chunks=self.model, optimizer=self.optimizer,
-                                    scheduler=self.scheduler, groups=self.groups, layout=self._layout())
         self.data_position = state.get("data_position", 0)  # checkpoints before datasets start over
         if self.separate:
             self.client.load_inflight(directory)
@@ -489,69 +462,6 @@ class Trainer:
         if self.rank0:
             print(f"resumed from {directory} (step {latest})", flush=True)
         return latest
-
-    def _load_legacy(self, directory: Path) -> dict:
-        """A per-rank checkpoint (the format before distributed checkpoints), on its own layout."""
-        from megatron.core import tensor_parallel
-
-        checkpoint.check_resumable(self.run_dir, self._layout(),
-                                   distributed_optimizer=self.recipe.optim.use_distributed_optimizer)
-        state = checkpoint.load_legacy(directory)
-        for chunk, chunk_state in zip(self.model, state["model"], strict=True):
-            chunk.load_state_dict(chunk_state)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        checkpoint.set_rng_state(state["rng"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tp_rng"])
-        return state
-
-
-def _rollout_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    samples = sums["batch_samples"].clamp(min=1)
-    valid_tokens = sums["response_tokens"] - sums["invalid_tokens"]
-    return {
-        "reward_mean": sums["round0_score"] / sums["round0_samples"],
-        "reward/acc_mean": sums["round0_acc"] / sums["round0_samples"],
-        "reward/batch_score_mean": sums["batch_score"] / samples,
-        "reward/batch_reward_mean": sums["batch_reward"] / samples,
-        "reward/batch_acc_mean": sums["batch_acc"] / samples,
-        "response_length_mean": sums["described_tokens"] / sums["described_samples"].clamp(min=1),
-        "response_length_max": sums["response_length_max"],
-        # truncated at max_new_tokens
-        "response/clip_fraction": 1 - sums["described_eos"] / sums["described_samples"].clamp(min=1),
-        "rollout_corr/invalid_rollout_token_fraction": sums["invalid_tokens"] / sums["response_tokens"].clamp(min=1),
-        "dynamic_sampling/num_gen_batches": sums["gen_batches"],
-        "dynamic_sampling/informative_fraction": sums["informative_fraction"],
-        "dynamic_sampling/filler_fraction": sums["filler_fraction"],
-        "batch/valid_response_tokens": valid_tokens,
-        "data/topup_dropped_long_prompts": sums["dropped_long_prompts"],
-        "data/topup_skipped_bad_rows": sums["skipped_bad_rows"],
-    }
-
-
-def _train_metrics(results: list[StepResult]) -> dict[str, torch.Tensor]:
-    """The step's view of its mini-batch updates: means, but the extremes of the correction's
-    per-mini-batch maxima and minima (bypass mode), and the lr of the last update."""
-    keys = results[0].metrics.keys()
-    metrics = {k: combine_over_updates(k, [r.metrics[k].float() for r in results]) for k in keys}
-    if "actor/lr" in keys:
-        metrics["actor/lr"] = results[-1].metrics["actor/lr"]
-    metrics["loss"] = metrics.get("actor/pg_loss", torch.tensor(float("nan")))
-    metrics["grad_norm"] = torch.stack([r.grad_norm.float() for r in results]).mean()
-    metrics["lr"] = metrics.get("actor/lr", torch.tensor(float("nan")))
-    metrics["actor/skipped_updates"] = torch.tensor(float(sum(not r.update_successful for r in results)))
-    return metrics
-
-
-def combine_over_updates(name: str, values: list[torch.Tensor]) -> torch.Tensor:
-    """A step's value of a metric reported by each update: the largest of the correction's
-    maxima, the smallest of its minima, the mean otherwise."""
-    stacked = torch.stack(values)
-    if name.startswith("rollout_corr/") and name.endswith(("_max", "_max_deviation")):
-        return stacked.max()
-    if name.startswith("rollout_corr/") and name.endswith("_min"):
-        return stacked.min()
-    return stacked.mean()
 
 
 def train(recipe: RunSettings, groups: ParallelGroups) -> Path:

@@ -1,5 +1,6 @@
-"""Rollout engines: the interface, the embedded (precision-emulating) engine, the vLLM adapter and
-the factory."""
+"""Rollout engines: the interface (base), the embedded (precision-emulating) engine (embedded; its
+batches embedded_batch, its sampler token_sampling), the vLLM adapter (vllm_engine) and the
+factory."""
 from __future__ import annotations
 
 from collections.abc import Sequence

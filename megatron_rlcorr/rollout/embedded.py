@@ -52,6 +52,8 @@ beyond the tokenizer are never sampled and take no part in any log-softmax, as i
 (whose logits there are PADDED_VOCAB_LOGIT, which add exactly 0 to its softmax sums).
 
 Sequences are left-padded into one batch; positions start at 0 at each prompt's first token.
+The batch in and out (padding, RolloutBatch, recorded routing) is embedded_batch.py's; drawing a
+token from the logits (temperature, top-k, top-p, reported log-probs) is token_sampling.py's.
 """
 from __future__ import annotations
 
@@ -64,8 +66,10 @@ import torch.nn.functional as F
 
 from ..model.architecture import DecoderShape, rotary_inv_freq
 from ..model.weights import neutral_weight_shapes
-from .base import FinishReason, LogprobsMode, Precision, RolloutBatch, routed_experts_dtype, weight_dtype
+from .base import LogprobsMode, Precision, RolloutBatch, routed_experts_dtype, weight_dtype
+from .embedded_batch import attach_routing, left_pad, to_batch
 from .precision import fp8_e4m3_qdq
+from .token_sampling import sample_tokens
 
 # Quantised in fp8 mode (by the name before ".weight"); a MoE layer's router and shared_gate are not.
 _LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -135,16 +139,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, down)
-
-
-def _left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, L] token matrix with each sequence right-aligned, and the pad count of every row."""
-    width = max(len(s) for s in seqs)
-    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        tokens[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-    pads = torch.tensor([width - len(s) for s in seqs], dtype=torch.long)
-    return tokens.to(device), pads.to(device)
 
 
 class EmbeddedEngine:
@@ -385,7 +379,7 @@ class EmbeddedEngine:
         if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1 or top_k < -1:
             raise ValueError(f"need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= -1 (0 or -1: "
                              f"off); got {max_new_tokens}, {temperature}, {top_p}, {top_k}")
-        tokens_BL, pads_B = _left_pad(prompts, self.pad_token_id, self.device)
+        tokens_BL, pads_B = left_pad(prompts, self.pad_token_id, self.device)
         batch, width = tokens_BL.shape
         cache = self._new_cache(batch, width + max_new_tokens)
         key_valid = torch.ones(batch, width + max_new_tokens, dtype=torch.bool, device=self.device)
@@ -399,7 +393,7 @@ class EmbeddedEngine:
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         sampled, logprobs = [], []
         for step in range(max_new_tokens):
-            token_B, logprob_B = _sample(logits_BV, temperature, top_p, top_k, generator, self.logprobs_mode)
+            token_B, logprob_B = sample_tokens(logits_BV, temperature, top_p, top_k, generator, self.logprobs_mode)
             lengths += ~finished
             sampled.append(token_B.masked_fill(finished, self.pad_token_id))
             logprobs.append(logprob_B)
@@ -416,9 +410,9 @@ class EmbeddedEngine:
             if record:
                 decode_routing.append(torch.stack(step_routing, dim=2)[:, 0])
             logits_BV = self._logits(hidden[:, -1])
-        batch_out = _to_batch(prompts, torch.stack(sampled, 1), torch.stack(logprobs, 1), lengths, finished)
+        batch_out = to_batch(prompts, torch.stack(sampled, 1), torch.stack(logprobs, 1), lengths, finished)
         if record:
-            _attach_routing(batch_out, torch.stack(prefill_routing, dim=2), decode_routing, pads_B)
+            attach_routing(batch_out, torch.stack(prefill_routing, dim=2), decode_routing, pads_B)
         return batch_out
 
     def sample_groups(self, prompts: Sequence[Sequence[int]], *, n: int, seeds: Sequence[int], max_new_tokens: int,
@@ -461,71 +455,10 @@ class EmbeddedEngine:
                              f"{self.sampled_vocab_size} rows that can get probability (the tokenizer's; "
                              "model.token_vocab_size)")
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
-        tokens_BL, pads_B = _left_pad(seqs, self.pad_token_id, self.device)
+        tokens_BL, pads_B = left_pad(seqs, self.pad_token_id, self.device)
         width = tokens_BL.shape[1]
         hidden = self._prefill(tokens_BL, pads_B, self._new_cache(len(seqs), width))
         scale = temperature if temperature > 0 else 1.0
         logp = torch.log_softmax(self._logits(hidden[:, :-1]) / scale, dim=-1)
         logp_BT = logp.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1).cpu()
         return [logp_BT[i, width - 1 - len(r): width - 1].clone() for i, r in enumerate(responses)]
-
-
-def _sample(logits_BV: torch.Tensor, temperature: float, top_p: float, top_k: int,
-            generator: torch.Generator | None, mode: LogprobsMode) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled token ids and their float32 log-probs (see base.py for the convention): top-k on the
-    tempered distribution, then top-p on what top-k left, renormalised (vLLM's order)."""
-    if temperature == 0:  # greedy: top-k and top-p change nothing (argmax is always kept)
-        token_B = logits_BV.argmax(dim=-1)
-        return token_B, torch.log_softmax(logits_BV, dim=-1).gather(-1, token_B[:, None]).squeeze(-1)
-    logp_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
-    sample_logp_BV = logp_BV
-    if 0 < top_k < logp_BV.shape[-1]:  # renormalised: the nucleus is measured in the top-k distribution
-        sample_logp_BV = torch.log_softmax(_top_k(logp_BV, top_k), dim=-1)
-    if top_p < 1:
-        sample_logp_BV = _nucleus(sample_logp_BV, top_p)
-    token_B = torch.multinomial(sample_logp_BV.exp(), 1, generator=generator).squeeze(-1)  # it normalises
-    reported = torch.log_softmax(sample_logp_BV, dim=-1) if mode == "processed" else logp_BV
-    return token_B, reported.gather(-1, token_B[:, None]).squeeze(-1)
-
-
-def _top_k(logp_BV: torch.Tensor, k: int) -> torch.Tensor:
-    """logp with -inf outside the k most likely tokens: exactly k, a tie at the k-th value going to
-    the lower token ids (vLLM's batched kernel's rule; top_k = 1 is then argmax). No sort: the k-th
-    value, then a running count of the tokens equal to it."""
-    kth_B1 = logp_BV.topk(k, dim=-1).values[:, -1:]
-    above_BV, tied_BV = logp_BV > kth_B1, logp_BV == kth_B1
-    room_B1 = k - above_BV.sum(dim=-1, keepdim=True)
-    keep_BV = above_BV | (tied_BV & (tied_BV.cumsum(dim=-1) <= room_B1))
-    return logp_BV.masked_fill(~keep_BV, float("-inf"))
-
-
-def _nucleus(logp_BV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """logp (normalised) with -inf outside the smallest set of most likely tokens whose mass reaches top_p."""
-    sorted_logp, order = logp_BV.sort(dim=-1, descending=True)
-    probs = sorted_logp.exp()
-    mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always has 0 before it
-    drop = torch.zeros_like(logp_BV, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
-    return logp_BV.masked_fill(drop, float("-inf"))
-
-
-def _attach_routing(batch: RolloutBatch, prefill_BWLK: torch.Tensor, decode_routing: list[torch.Tensor],
-                    pads_B: torch.Tensor) -> None:
-    """Fill the batch's routed_experts and prompt_routed_experts (module docstring) from the
-    prefill's routing [B, width, L, k] (left-padded) and each decode step's [B, L, k]."""
-    # Row j of a response: the prefill's last column for j = 0, then decode step j - 1.
-    response_BSLK = torch.cat([prefill_BWLK[:, -1:], *[r[:, None] for r in decode_routing]], dim=1).cpu()
-    prefill_BWLK, width = prefill_BWLK.cpu(), prefill_BWLK.shape[1]
-    pads = pads_B.tolist()
-    batch.routed_experts = [response_BSLK[i, :len(r)].clone() for i, r in enumerate(batch.response_ids)]
-    batch.prompt_routed_experts = [prefill_BWLK[i, pads[i]: width - 1].clone() for i in range(len(pads))]
-
-
-def _to_batch(prompts: list[list[int]], tokens_BN: torch.Tensor, logprobs_BN: torch.Tensor, lengths_B: torch.Tensor,
-              finished_B: torch.Tensor) -> RolloutBatch:
-    tokens, lengths, finished = tokens_BN.tolist(), lengths_B.tolist(), finished_B.tolist()
-    logprobs_BN = logprobs_BN.float().cpu()
-    reasons: list[FinishReason] = ["eos" if f else "length" for f in finished]
-    return RolloutBatch(prompt_ids=[list(p) for p in prompts],
-                        response_ids=[row[:n] for row, n in zip(tokens, lengths)],
-                        logprobs=[logprobs_BN[i, :n].clone() for i, n in enumerate(lengths)],
-                        finish_reasons=reasons)

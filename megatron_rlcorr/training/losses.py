@@ -13,7 +13,9 @@ token-mean sum_it l / tokens; seq-mean-token-sum sum_it l / sequences; seq-mean-
 sum_i (sum_t l / tokens_i) / sequences; seq-mean-token-sum-norm (Dr. GRPO) sum_it l /
 (sequences x F), F = `loss_scale_factor` (the response length limit by default). "sequences"
 counts those with at least one valid token. verl's per-micro-batch `sum / F` for the last mode
-scales with the micro-batch size; here it does not.
+scales with the micro-batch size; here it does not. Metrics are another matter:
+`aggregate_over_batch` (actor/entropy) is verl's agg_loss over the whole step batch, which for
+seq-mean-token-sum-norm is sum / F, with no sequence count.
 
 Rejection is the mask: a rejected token leaves the numerator and the denominator. Values at
 masked positions may be garbage (NaN, inf) and never reach the loss, its gradient or a metric.
@@ -200,15 +202,38 @@ def aggregate_loss(loss_tok: torch.Tensor, agg_mode: LossAggMode, normalizer: Lo
 
 
 def aggregate_over_batch(values_BT: torch.Tensor, mask_BT: torch.Tensor, agg_mode: LossAggMode, *,
-                         dp_group: dist.ProcessGroup | None = None, loss_scale_factor: float = 1.0) -> torch.Tensor:
-    """A per-token quantity of a whole batch (rows split over the DP ranks), aggregated over the
-    valid tokens as the loss aggregates (verl's agg_loss(values, mask, agg_mode) over the batch):
-    0-d float32, identical on the ranks of dp_group. Values at masked positions may be garbage."""
+                         dp_group: dist.ProcessGroup | None = None,
+                         loss_scale_factor: float | None = None) -> torch.Tensor:
+    """A per-token quantity of a whole batch (rows split over the DP ranks) aggregated over its valid
+    tokens as verl's agg_loss(values, mask, agg_mode, loss_scale_factor=...) aggregates a whole batch:
+    0-d float32, identical on the ranks of dp_group. Values at masked positions may be garbage.
+
+    The seq-mean modes and token-mean are the loss's aggregation; seq-mean-token-sum-norm is not:
+    verl's agg_loss divides the sum by F alone (no sequence count), F = `loss_scale_factor`, or with
+    None verl's default, the mask's width (the widest over dp_group: the padded batch's). The loss's
+    sum / (sequences x F) is this module's own choice (module docstring), not a metric verl reports.
+    """
     mask = mask_BT != 0
-    (normalizer,) = global_loss_normalizers([mask], agg_mode, dp_group=dp_group, loss_scale_factor=loss_scale_factor)
-    value = aggregate_loss(torch.where(mask, values_BT.float(), 0.0), agg_mode, normalizer)
+    values = torch.where(mask, values_BT.float(), 0.0)
+    if agg_mode == "seq-mean-token-sum-norm":
+        total = values.sum(dtype=torch.float64)
+        _all_reduce_sum(total, dp_group)
+        return (total / _scale_factor(loss_scale_factor, mask, dp_group)).float()
+    (normalizer,) = global_loss_normalizers([mask], agg_mode, dp_group=dp_group)
+    value = aggregate_loss(values, agg_mode, normalizer)
     _all_reduce_sum(value, dp_group)
     return value
+
+
+def _scale_factor(loss_scale_factor: float | None, mask_BT: torch.Tensor,
+                  dp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """verl's F: the given factor, else the batch's padded width (each DP rank may pad to less)."""
+    if loss_scale_factor is not None:
+        return torch.tensor(float(loss_scale_factor), dtype=torch.float64, device=mask_BT.device)
+    width = torch.tensor(float(mask_BT.shape[-1]), dtype=torch.float64, device=mask_BT.device)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=dp_group)
+    return width
 
 
 def global_loss_normalizers(

@@ -23,7 +23,7 @@ one fixed shape between stages; with virtual pipelining their number is a multip
 (Megatron-Core's interleaved schedule). Under expert parallelism across DP replicas every forward
 is a collective of the expert group, so the number of micro-batches is agreed over DP in every
 pass, and with the allgather dispatcher (equal-sized token blocks) their token count too (packed)
-or the mini-batch width (padded: training/step.py).
+or the mini-batch width (padded: training/local_batch.py).
 
 Alignment (`sequence_multiple`): 2*cp for the zigzag split; with sequence parallelism each
 sequence's share per CP rank is split again over TP; FP8 needs each rank's token count to be a

@@ -18,7 +18,8 @@ import torch
 
 from ..model.build import build_model_chunks
 from ..model.config import ModelConfig
-from .step import StepBatch, compute_old_log_probs
+from .old_pass import compute_old_log_probs
+from .step_types import StepBatch
 
 if TYPE_CHECKING:
     from ..parallel.groups import ParallelGroups

@@ -6,7 +6,7 @@ loss functions and torch's Adam: it shares no code with the Megatron path except
 and loss math. Every parallel run builds the same seeded fp32 model, trains one mini-batch per
 scenario and returns its loss, correction metrics, full gradients (neutral names) and full
 weights after the Adam step. Scenarios cover decoupled and bypass mode, PPO and policy
-gradient, and the three loss aggregations; the data has a real rollout mismatch (model
+gradient, and the four loss aggregations; the data has a real rollout mismatch (model
 log-probs + noise) and two sequences (rows 0, 1) whose rollout log-prob of one token is 12 below
 the model's (ratio e^12: rejected by the RS rules that bound it; with micro-batch size 2 the first
 micro-batch is rejected entirely). The bypass PPO veto scenarios add two rows (2, 6) with a token
@@ -52,6 +52,11 @@ SCENARIOS = {
         loss=dict(loss_type="ppo_clip", loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01)),
     # The same with other advantages on the vetoed rows: the gradient must not change.
     "byp_ppo_veto_adv": None,
+    # Dr. GRPO's aggregation: the loss's sum / (sequences x F), actor/entropy verl's sum / F.
+    "dec_ppo_stsn": dict(
+        correction=dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token", rollout_rs_threshold=1.6),
+        loss=dict(loss_type="ppo_clip", loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=16.0,
+                  entropy_coeff=0.01)),
     "all_rejected": dict(
         correction=dict(rollout_is="token", rollout_token_veto_threshold=0.5),
         loss=dict(loss_type="ppo_clip", loss_agg_mode="token-mean")),
@@ -70,7 +75,8 @@ LAYOUTS = {
                            ("byp_ppo_veto", 1, 12)]),
     "pp2": ((1, 2, 1, 2), [("dec_pg_stm", 2), ("byp_ppo_sts", 4), ("all_rejected", 2), ("byp_ppo_veto", 1),
                            ("dec_ppo_tok", 1, 16)]),
-    "dp2": ((1, 1, 1, 2), [("byp_pg_stm", 4), ("dec_pg_stm", 2), ("byp_ppo_veto_adv", 2), ("dec_pg_stm", 1, 12)]),
+    "dp2": ((1, 1, 1, 2), [("byp_pg_stm", 4), ("dec_pg_stm", 2), ("byp_ppo_veto_adv", 2), ("dec_pg_stm", 1, 12),
+                           ("dec_ppo_stsn", 2)]),
     "cp4": ((1, 1, 4, 4), [("byp_ppo_veto", 4), ("dec_ppo_tok", 1, 6), ("byp_ppo_sts", 1, 8)]),
     "tp2cp2": ((2, 1, 2, 4), [("dec_pg_stm", 2), ("byp_pg_stm", 8), ("byp_ppo_sts", 1, 10)]),
     "tp2pp2": ((2, 2, 1, 4), [("dec_ppo_tok", 2), ("byp_pg_stm", 8), ("dec_pg_stm", 1, 16)]),
@@ -147,7 +153,7 @@ def _torch_step(cfg, weights, data, step_cfg):
     old = rollout if corr_cfg.bypass_mode else log_prob.detach()
     corr = compute_rollout_correction(log_prob.detach(), rollout, mask, corr_cfg)
     normalizer = global_loss_normalizers([mask if corr_cfg.bypass_mode else corr.response_mask],
-                                         loss_cfg.loss_agg_mode)[0]
+                                         loss_cfg.loss_agg_mode, loss_scale_factor=step_cfg.loss_scale_factor)[0]
     bypass_ppo = corr_cfg.bypass_mode and not step_cfg.use_policy_gradient
     out = policy_loss(log_prob, old, data["advantages_BT"], corr.response_mask, loss_cfg, normalizer=normalizer,
                       is_weights=None if bypass_ppo else corr.is_weights,
@@ -162,13 +168,26 @@ def _torch_step(cfg, weights, data, step_cfg):
     # actor/pg_loss is the policy-gradient term alone; the entropy bonus is its own term
     # actor/entropy: decoupled mode, pi_old's entropy (the weights before the update) over the response
     # mask with the recipe's aggregation (verl's agg_loss); bypass mode, the loss's entropy term / -coeff.
-    from megatron_rlcorr.training.losses import aggregate_over_batch
-
-    old_entropy = aggregate_over_batch(entropy.detach(), mask, loss_cfg.loss_agg_mode,
-                                       loss_scale_factor=step_cfg.loss_scale_factor)
+    old_entropy = _verl_agg_loss(entropy.detach(), mask, loss_cfg.loss_agg_mode, step_cfg.loss_scale_factor)
     return dict(loss=out.terms["pg_loss"], entropy_loss=out.terms.get("entropy_loss"), metrics=corr.metrics,
                 grads=grads, grad_norm=grad_norm, after=after, old=log_prob.detach(), mask=corr.response_mask,
                 old_entropy=None if corr_cfg.bypass_mode else old_entropy)
+
+
+def _verl_agg_loss(values, mask, agg_mode, loss_scale_factor):
+    """verl's agg_loss(values, mask, agg_mode, loss_scale_factor) over the whole batch, written out
+    (independent of losses.aggregate_over_batch, which the Megatron path's actor/entropy uses)."""
+    valid = mask > 0
+    values = torch.where(valid, values, 0.0).double()
+    seq_sums, seq_tokens = values.sum(-1), valid.double().sum(-1)
+    nonempty = seq_tokens > 0
+    if agg_mode == "token-mean":
+        return (seq_sums.sum() / seq_tokens.sum()).float()
+    if agg_mode == "seq-mean-token-sum":
+        return seq_sums[nonempty].mean().float()
+    if agg_mode == "seq-mean-token-mean":
+        return (seq_sums[nonempty] / seq_tokens[nonempty]).mean().float()
+    return (seq_sums.sum() / loss_scale_factor).float()  # seq-mean-token-sum-norm: no sequence count
 
 
 # ---- the Megatron worker ----------------------------------------------------------------------
@@ -216,7 +235,7 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None, optim=None, 
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
     from megatron_rlcorr.parallel.groups import build_parallel_groups
     from megatron_rlcorr.training.optimizer import OptimSettings, sync_params
-    from megatron_rlcorr.training import step as step_module
+    from megatron_rlcorr.training import schedule as schedule_module  # the update's log-probs: schedule.token_log_probs
     from megatron_rlcorr.training.step import StepBatch, compute_old_log_probs_and_entropy, old_pass_entropy, train_minibatch
 
     enable_cpu_megatron()
@@ -227,7 +246,7 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None, optim=None, 
         entropy_flags.append(kwargs.get("compute_entropy", False))
         return token_logprobs_and_entropy(*args, **kwargs)
 
-    token_logprobs_and_entropy = step_module.token_logprobs_and_entropy
+    token_logprobs_and_entropy = schedule_module.token_logprobs_and_entropy
     rows = slice(groups.dp_rank * BATCH // groups.dp_size, (groups.dp_rank + 1) * BATCH // groups.dp_size)
     results = []
     for scenario, mbs, *packed in runs:
@@ -244,11 +263,11 @@ def _train_worker(rank, world, tp, pp, cp, runs, batches, vpp=None, optim=None, 
                                                              max_tokens_per_micro_batch=max_tokens)
             old_entropy = None if old is None else old_pass_entropy(entropy, batch, cfg, groups)
         entropy_flags.clear()
-        step_module.token_logprobs_and_entropy = spy
+        schedule_module.token_logprobs_and_entropy = spy
         try:
             result = train_minibatch(chunks, optimizer, batch, groups=groups, cfg=cfg, old_log_probs=old)
         finally:
-            step_module.token_logprobs_and_entropy = token_logprobs_and_entropy
+            schedule_module.token_logprobs_and_entropy = token_logprobs_and_entropy
         unsynced = export_full_weights(chunks, groups)
         sync_params(chunks)
         results.append(dict(scenario=scenario, dp_rank=groups.dp_rank, old=old, old_entropy=old_entropy,
@@ -319,7 +338,7 @@ def _check_old_log_probs(results, ref, scenario, dp_size):
 
 SINGLE_PROCESS_RUNS = [("dec_ppo_tok", 1), ("dec_ppo_tok", 4), ("dec_pg_stm", 4), ("byp_ppo_sts", 1), ("byp_pg_stm", 8),
                        ("byp_ppo_veto", 4), ("dec_ppo_tok", 1, 16), ("byp_ppo_veto", 1, 12), ("dec_pg_stm", 1, 40),
-                       ("byp_pg_stm", 1, 200)]
+                       ("byp_pg_stm", 1, 200), ("dec_ppo_stsn", 2), ("dec_ppo_stsn", 1, 16)]
 
 
 def test_single_process_micro_batch_size_independent(references):
@@ -630,9 +649,9 @@ def _aligned_worker(rank, world, runs, batches, alignment):
     TransformerConfig gives: microbatches.sequence_multiple), recording the token count of every
     model input of both passes."""
     hide_gpus()
-    from megatron_rlcorr.training import step
+    from megatron_rlcorr.training import local_batch
 
-    step.sequence_multiple = lambda config: alignment
+    local_batch.sequence_multiple = lambda config: alignment
     seen = []
     import megatron.core.models.gpt.gpt_model as gpt_model
 

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from megatron_rlcorr.training.losses import (LossConfig, LossNormalizer, aggregate_over_batch, global_loss_normalizers,
-                                             policy_loss, reduce_metric_partials)
+from megatron_rlcorr.training.losses import (LossConfig, LossNormalizer, aggregate_loss, aggregate_over_batch,
+                                             global_loss_normalizers, policy_loss, reduce_metric_partials)
 
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 CONFIGS = {
@@ -279,11 +279,30 @@ def test_missing_inputs_are_reported():
 
 # ---- aggregate_over_batch (actor/entropy's aggregation) ----
 
+def verl_agg_loss(values, mask, agg_mode, loss_scale_factor=None):
+    """verl's agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=...) on a whole padded
+    [B, T] batch (dp_size 1, no global counts given), written out in float64; masked values are
+    zeroed first (verl multiplies by the mask, and its masked entries are finite)."""
+    mask = mask.double()
+    values = torch.where(mask != 0, values.double(), 0.0)
+    seq_sums, seq_tokens = (values * mask).sum(-1), mask.sum(-1)
+    nonempty = (seq_tokens > 0).double()
+    if agg_mode == "token-mean":
+        return (values * mask).sum() / mask.sum()
+    if agg_mode == "seq-mean-token-sum":
+        return (seq_sums * nonempty).sum() / nonempty.sum()
+    if agg_mode == "seq-mean-token-mean":
+        return (seq_sums / (seq_tokens + 1e-8) * nonempty).sum() / nonempty.sum()
+    assert agg_mode == "seq-mean-token-sum-norm"
+    factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    return seq_sums.sum() / factor  # no sequence count: not the loss's sum / (sequences x F)
+
+
 @pytest.mark.parametrize("agg_mode", [*AGG_MODES, "seq-mean-token-sum-norm"])
 def test_aggregate_over_batch_is_agg_loss_of_the_valid_tokens(agg_mode):
     """verl's agg_loss(values, mask, mode), written sequence by sequence in float64 (the empty
-    sequence counts in no mode; seq-mean-token-sum-norm: sum / (sequences x F), docs/math.md);
-    garbage at masked positions never reaches it."""
+    sequence counts in no mode; seq-mean-token-sum-norm: sum / F, as verl's trainer reports
+    actor/entropy); garbage at masked positions never reaches it."""
     batch = make_batch(seed=4)
     seqs = [s["entropy"].double() for s in valid_sequences(batch, requires_grad=())]
     nonempty = [s for s in seqs if s.numel()]
@@ -292,8 +311,44 @@ def test_aggregate_over_batch_is_agg_loss_of_the_valid_tokens(agg_mode):
         "token-mean": sum(s.sum() for s in seqs) / sum(s.numel() for s in seqs),
         "seq-mean-token-sum": sum(s.sum() for s in nonempty) / len(nonempty),
         "seq-mean-token-mean": sum(s.mean() for s in nonempty) / len(nonempty),
-        "seq-mean-token-sum-norm": sum(s.sum() for s in nonempty) / (len(nonempty) * factor),
+        "seq-mean-token-sum-norm": sum(s.sum() for s in nonempty) / factor,
     }[agg_mode]
     got = aggregate_over_batch(batch["entropy"], batch["loss_mask"], agg_mode, loss_scale_factor=factor)
     assert got.dtype == torch.float32 and got.dim() == 0
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)
+
+
+AGG_SHAPES = {  # valid tokens of each row, padded width
+    "one_row": ([3], 4),
+    "two_rows": ([2, 5], 5),
+    "two_rows_one_empty": ([0, 4], 6),
+    "small": ([1, 1, 2], 3),
+    "default": (LENGTHS, T),
+    "wide": ([17, 3, 30, 0, 8, 12, 1, 25], 32),
+}
+
+
+@pytest.mark.parametrize("agg_mode", [*AGG_MODES, "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("loss_scale_factor", [None, 7.0, 64.0])
+@pytest.mark.parametrize("shape", sorted(AGG_SHAPES))
+def test_aggregate_over_batch_matches_verl_agg_loss(shape, loss_scale_factor, agg_mode):
+    """Every mode, several batch shapes (one and two rows too, where a sequence count of 2 would
+    show as a factor of 2), an explicit loss_scale_factor and None (verl's default: the padded
+    width): the formula of verl's agg_loss, written out in verl_agg_loss."""
+    lengths, width = AGG_SHAPES[shape]
+    batch = make_batch(seed=len(lengths) + width, lengths=lengths, seq_len=width)
+    got = aggregate_over_batch(batch["entropy"], batch["loss_mask"], agg_mode, loss_scale_factor=loss_scale_factor)
+    expected = verl_agg_loss(batch["entropy"], batch["loss_mask"], agg_mode, loss_scale_factor)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-12)
+
+
+def test_seq_mean_token_sum_norm_metric_is_not_the_loss():
+    """The loss divides by sequences x F (this project's mini-batch normaliser); the metric by F
+    alone (verl's agg_loss): on a batch of two valid sequences they differ by exactly 2."""
+    batch = make_batch(seed=11, lengths=[3, 5], seq_len=6)
+    mask = batch["loss_mask"]
+    (normalizer,) = global_loss_normalizers([mask], "seq-mean-token-sum-norm", loss_scale_factor=6.0)
+    loss_value = aggregate_loss(torch.where(mask != 0, batch["entropy"], 0.0), "seq-mean-token-sum-norm", normalizer)
+    metric = aggregate_over_batch(batch["entropy"], mask, "seq-mean-token-sum-norm", loss_scale_factor=6.0)
+    torch.testing.assert_close(metric, 2 * loss_value, rtol=1e-6, atol=0)

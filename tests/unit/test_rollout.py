@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron_rlcorr.model.architecture import DecoderShape
 from megatron_rlcorr.model.config import ModelConfig
 from megatron_rlcorr.rollout.base import engine_max_model_len
-from megatron_rlcorr.rollout.embedded import _sample
+from megatron_rlcorr.rollout.token_sampling import sample_tokens
 from megatron_rlcorr.rollout import EmbeddedEngine, RolloutBatch, RolloutConfig, RolloutEngine, make_engine, random_weights
 from megatron_rlcorr.rollout.precision import E4M3_MAX, fp8_e4m3_qdq, round_to_e4m3
 
@@ -221,7 +221,7 @@ def test_top_p_samples_only_from_the_nucleus(weights):
 def _draws(logits_V: torch.Tensor, rows: int = 4000, seed: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """`rows` independent draws of one distribution through the engine's sampler: (tokens, log-probs)."""
     kwargs = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "mode": "tempered"} | kwargs
-    return _sample(logits_V.expand(rows, -1).clone(), kwargs["temperature"], kwargs["top_p"], kwargs["top_k"],
+    return sample_tokens(logits_V.expand(rows, -1).clone(), kwargs["temperature"], kwargs["top_p"], kwargs["top_k"],
                    torch.Generator().manual_seed(seed), kwargs["mode"])
 
 

@@ -12,7 +12,7 @@ from megatron_rlcorr.rl.batch import batch_to, build_step_batch, routed_experts,
 from megatron_rlcorr.rl.sampling import RolloutGroups
 from megatron_rlcorr.training.microbatches import PackingRules, plan_packed, plan_padded
 from megatron_rlcorr.training.routing_replay import RoutingReplay, moe_layer_indices, router_rows, routing_metrics
-from megatron_rlcorr.training.step import StepBatch, _check_batch
+from megatron_rlcorr.training.step_types import StepBatch, check_batch
 
 L, K = 2, 2  # MoE layers, top-k
 
@@ -62,11 +62,11 @@ def test_step_batch_without_routing_slices_and_moves():
     routed = torch.arange(2 * 4 * L * K, dtype=torch.int16).view(2, 4, L, K)
     with_routing = StepBatch(**{**batch.__dict__, "routed_experts_BTLK": routed})
     assert torch.equal(slice_batch(with_routing, 1, 2).routed_experts_BTLK, routed[1:2])
-    _check_batch(with_routing)
+    check_batch(with_routing)
     with pytest.raises(ValueError, match=r"routed_experts_BTLK has shape \(2, 3, 2, 2\), expected tokens_BT's"):
-        _check_batch(StepBatch(**{**batch.__dict__, "routed_experts_BTLK": routed[:, :3]}))
+        check_batch(StepBatch(**{**batch.__dict__, "routed_experts_BTLK": routed[:, :3]}))
     with pytest.raises(ValueError, match="must be an integer"):
-        _check_batch(StepBatch(**{**batch.__dict__, "routed_experts_BTLK": routed.float()}))
+        check_batch(StepBatch(**{**batch.__dict__, "routed_experts_BTLK": routed.float()}))
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -5,7 +5,7 @@ import torch
 from megatron_rlcorr.data.tasks import Prompt
 from megatron_rlcorr.rl.sampling import RolloutGroups, SamplingStats
 from megatron_rlcorr.rl.step_sampling import rollout_stats
-from megatron_rlcorr.rl.trainer import _rollout_metrics, combine_over_updates
+from megatron_rlcorr.rl.step_metrics import combine_over_updates, rollout_metrics
 
 
 def _with_invalid(batch, first, stats, dropped, generated):
@@ -31,7 +31,7 @@ def test_fillers_take_part_in_no_mean():
     stats = SamplingStats(gen_batches=3, informative_fraction=0.5, filler_fraction=0.5, generated_groups=4,
                           exhausted=True)
     sums = _with_invalid(batch, batch, stats, {"long": 0, "bad": 0}, 40)
-    metrics = _rollout_metrics(sums)
+    metrics = rollout_metrics(sums)
     assert metrics["response_length_max"] == 5.0  # the fillers' 8 are out
     assert sums["generated_tokens"] == 40.0
     assert metrics["reward/batch_score_mean"] == 0.0 and metrics["reward/batch_acc_mean"] == 0.5
@@ -47,7 +47,7 @@ def test_a_batch_of_fillers_only_reports_what_was_generated():
     fillers.finish_reasons[1] = "length"  # one of the four hit max_new_tokens
     stats = SamplingStats(gen_batches=2, informative_fraction=0.0, filler_fraction=1.0, generated_groups=4,
                           exhausted=True)
-    metrics = _rollout_metrics(_with_invalid(fillers, fillers, stats, {"long": 0, "bad": 0}, 17))
+    metrics = rollout_metrics(_with_invalid(fillers, fillers, stats, {"long": 0, "bad": 0}, 17))
     assert metrics["response_length_mean"] == (3 + 6 + 4 + 4) / 4
     assert metrics["response_length_max"] == 6.0
     assert metrics["response/clip_fraction"] == 0.25
@@ -56,7 +56,7 @@ def test_a_batch_of_fillers_only_reports_what_was_generated():
     real = _groups([[1.0, -1.0]], lengths=[2, 2])
     real.finish_reasons[:] = ["length", "eos"]
     batch = RolloutGroups.concat([real, fillers])
-    metrics = _rollout_metrics(_with_invalid(batch, batch, stats, {"long": 0, "bad": 0}, 21))
+    metrics = rollout_metrics(_with_invalid(batch, batch, stats, {"long": 0, "bad": 0}, 21))
     assert metrics["response_length_mean"] == 2.0 and metrics["response_length_max"] == 2.0
     assert metrics["response/clip_fraction"] == 0.5
 

@@ -15,7 +15,8 @@ The parts, in the order they run:
 - source.py: reading the source into verl keys (a script through the sandbox of verl_script.py,
   which runs it with nothing external executed); hydra.py: Hydra's value syntax and
   interpolations; values.py: converting values.
-- mapper.py: the bookkeeping and the run; rules_model.py, rules_algorithm.py, rules_trainer.py:
+- core.py: the bookkeeping every rule uses (Mapper) and ImportResult; mapper.py: the run
+  (map_source), which imports the rules; rules_model.py, rules_algorithm.py, rules_trainer.py:
   the rules for keys whose mapping depends on others; tables.py: the one-to-one keys, the reasons
   for keys not mapped and DIFFERENCES; datafiles.py: what the data files say (data sources, rows);
   cluster.py: the layout for trainer.nnodes x n_gpus_per_node, as `plan --search` chooses it.
@@ -26,8 +27,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .core import ImportResult
 from .hydra import HydraLoader, parse_hydra_value
-from .mapper import ImportResult, Mapper
+from .mapper import map_source
 from .report import format_report, recipe_yaml, write_recipe
 from .source import read_source
 from .tables import DIFFERENCES
@@ -48,4 +50,4 @@ def import_verl(path: str | Path, env: Mapping[str, str] | None = None,
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise ValueError(f"override {item!r}: expected a recipe key=value (e.g. model.architecture=qwen2.5-32b)")
-    return Mapper(read_source(Path(path), env), overrides).run()
+    return map_source(read_source(Path(path), env), overrides)

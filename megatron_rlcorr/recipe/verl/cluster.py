@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..layout_search import RECOMPUTE_SETTINGS, Candidate, search_tree
 from ..tree import apply_overrides
-from .mapper import Mapper
+from .core import Mapper
 from .tables import build_tree
 from .values import pos_int, show
 

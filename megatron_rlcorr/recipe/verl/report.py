@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from .mapper import ImportResult
+from .core import ImportResult
 from .values import show
 
 

@@ -6,7 +6,7 @@ import warnings
 
 from ...config import RolloutCorrectionConfig
 from .datafiles import data_sources
-from .mapper import Mapper
+from .core import Mapper
 from .tables import A, DAPO_SOURCES, KL_TYPES, RC
 from .values import to_bool, to_int, to_str
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .mapper import Mapper
+from .core import Mapper
 from .tables import A, R
 from .values import Bad, pos_int, to_bool, to_float, to_str
 

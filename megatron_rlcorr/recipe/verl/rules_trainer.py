@@ -7,7 +7,7 @@ from typing import Any
 
 from ...rl.settings import TRACKERS
 from .datafiles import count_rows
-from .mapper import Mapper
+from .core import Mapper
 from .tables import A
 from .values import Bad, pos_int, short, to_bool, to_float, to_int, to_str
 
