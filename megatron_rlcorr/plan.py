@@ -5,7 +5,7 @@ the preset). It validates the recipe for a launch of N x G ranks (`Recipe.check_
 False)`: layout, batch sizes, sequence lengths, rollout settings; each failure names the setting
 and values that work), then prints the parameter count (total and, for a mixture-of-experts
 model, active per token and the routed experts of the most-loaded GPU), the estimated memory
-per GPU (recipe/memory.py) against the GPU's, and the launch command; `--json` prints the same
+per GPU (recipe/memory.py) against the GPU's, and, when it fits, the launch command; `--json` prints the same
 as one object; `--search` lists the layouts that fit, cheapest communication first
 (recipe/layout_search.py). With `rollout.placement: separate` the last rollout.num_ranks ranks of
 the launch only generate: the layout is checked (and searched) over the other ranks, the trainer
@@ -153,6 +153,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  (total = the larger of training (weights + gradients + optimizer + activations + logits + "
                      "what the engine keeps while asleep) and generation (the states not offloaded + the engine's "
                      "share))")
+    if not report["fits"]:
+        lines.append("launch: none printed, as this layout does not fit (`--search` lists the layouts that do)")
+        return "\n".join(lines)
     lines.append("launch:")
     if report["nodes"] > 1:
         lines.append("  # on every node (or under SLURM: srun --nodes=N --ntasks-per-node=1 bash tools/launch.sh ...)")
@@ -194,9 +197,10 @@ def _parameters_line(report: dict[str, Any]) -> str:
             f"layer with ep={layout['ep']}, each split over etp={layout['etp']})")
 
 
-def format_search(candidates: list, *, limit: int = 10) -> str:
+def format_search(candidates: list, *, limit: int = 10, why_none: str = "") -> str:
+    """The layouts that fit, or (none) why none does (layout_search.why_none_fits)."""
     if not candidates:
-        return "no layout of the search space fits: more GPUs, a shorter token budget, or a smaller engine share"
+        return "no layout of the search space fits" + (f": {why_none}" if why_none else "")
     lines = ["layouts that fit, cheapest first (estimated communication + bubble + recompute s/step, memory GiB/GPU):"]
     for c in candidates[:limit]:
         experts = "" if c.ep is None else f"ep={c.ep} "
@@ -214,17 +218,22 @@ def plan_command(path: str, overrides: Sequence[str], *, nodes: int, gpus_per_no
 
     try:
         if search:
-            from .recipe.layout_search import search_layouts
+            from .recipe.layout_search import search_layouts, why_none_fits
+            from .recipe.tree import read_tree
 
             _check_launch(nodes, gpus_per_node, gpu_memory_gib)
             candidates = search_layouts(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
                                         gpu_memory_gib=gpu_memory_gib)
+            why_none = "" if candidates else why_none_fits(read_tree(Path(path), overrides), nodes=nodes,
+                                                            gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)
+            if why_none and as_json:
+                print(f"plan {path}: no layout of the search space fits: {why_none}", file=sys.stderr)
             if as_json:
                 print(json.dumps([{"overrides": c.overrides, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep or 1,
                                    "dp": c.dp, "recompute": c.recompute, "seconds_estimate": round(c.seconds, 3),
                                    "memory_gib_per_gpu": c.memory.gib()} for c in candidates], indent=1))
             else:
-                print(format_search(candidates))
+                print(format_search(candidates, why_none=why_none))
             return 0 if candidates else 1
         report = plan_report(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)
     except ValueError as err:

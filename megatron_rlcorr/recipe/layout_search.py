@@ -9,7 +9,9 @@ stay. A candidate is kept when the whole recipe validates for the launch
 (`Recipe.check_layout(here=False)`) and its estimated memory (memory.py) fits the GPU with the
 headroom `plan` keeps (plan.HEADROOM). With rollout.placement separate the candidates are layouts
 of the trainer ranks (the launch less rollout.num_ranks), whose memory holds no engine; when a
-rollout rank's engine does not fit its GPU (memory.rollout_rank_bytes) no candidate does.
+rollout rank's engine does not fit its GPU (memory.rollout_rank_bytes) no candidate does. When none
+fits, `why_none_fits` says why: that engine, the settings every layout fails to validate on (batch
+sizes the data-parallel sizes do not divide, ...), or the memory of the smallest layout that validates.
 
 Ranking: an estimate of the seconds per RL step spent waiting on other GPUs, from bytes moved and
 link bandwidth, plus the pipeline bubble and recomputation as time. The constants below are
@@ -37,6 +39,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -102,9 +105,23 @@ def search_tree(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_
     world = base.rollout.trainer_world(nodes * gpus_per_node)  # the ranks that train
     if base.rollout.separate and rollout_rank_bytes(base, gpu_memory_gib * GiB) > usable_bytes(gpu_memory_gib):
         return []
+    found = []
+    for (tp, pp, cp, ep, recompute), outcome in _attempts(tree, base, world, gpus_per_node):
+        if isinstance(outcome, ValueError):
+            continue
+        recipe, dp = outcome
+        memory = estimate_memory(recipe, world, gpu_memory_gib * GiB)
+        if memory.total <= usable_bytes(gpu_memory_gib):
+            seconds = step_seconds(recipe, world, gpus_per_node)
+            found.append(Candidate(tp, pp, cp, recompute, dp, memory, seconds, ep))
+    return sorted(found, key=lambda c: (c.seconds, c.tp * c.pp * c.cp, c.ep or 1))
+
+
+def _attempts(tree: Mapping[str, Any], base: Recipe, world: int, gpus_per_node: int):
+    """Each layout of the search space with the recipe it makes and its data-parallel size, or the
+    ValueError of the recipe's validation."""
     heads_and_groups = math.gcd(base.model.num_attention_heads, base.model.num_query_groups)
     moe = base.model.moe
-    found = []
     for tp in (t for t in divisors(heads_and_groups) if t <= gpus_per_node):
         for pp in divisors(base.model.num_layers):
             for cp in (1, 2, 4, 8):
@@ -115,14 +132,44 @@ def search_tree(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_
                     try:
                         layout = layout_overrides(tp, pp, cp, recompute, ep)
                         recipe = parse_recipe(apply_overrides(copy.deepcopy(dict(tree)), layout))
-                        dp = recipe.check_layout(world, here=False)
-                    except ValueError:
-                        continue
-                    memory = estimate_memory(recipe, world, gpu_memory_gib * GiB)
-                    if memory.total <= usable_bytes(gpu_memory_gib):
-                        seconds = step_seconds(recipe, world, gpus_per_node)
-                        found.append(Candidate(tp, pp, cp, recompute, dp, memory, seconds, ep))
-    return sorted(found, key=lambda c: (c.seconds, c.tp * c.pp * c.cp, c.ep or 1))
+                        outcome: Any = (recipe, recipe.check_layout(world, here=False))
+                    except ValueError as err:
+                        outcome = err
+                    yield (tp, pp, cp, ep, recompute), outcome
+
+
+def why_none_fits(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> str:
+    """Why search_tree found nothing: the engine of a rollout rank, the validation every layout fails
+    (the commonest message: batch sizes not divisible by the data-parallel size, ...), or the memory."""
+    base = parse_recipe(tree)
+    world = base.rollout.trainer_world(nodes * gpus_per_node)
+    if base.rollout.separate and rollout_rank_bytes(base, gpu_memory_gib * GiB) > usable_bytes(gpu_memory_gib):
+        return (f"a rollout rank's engine needs {rollout_rank_bytes(base, gpu_memory_gib * GiB) / GiB:.1f} GiB, more "
+                f"than the {usable_bytes(gpu_memory_gib) / GiB:.1f} GiB usable: lower rollout.gpu_memory_utilization "
+                "or raise rollout.tensor_parallel_size")
+    errors: Counter[str] = Counter()          # by the setting each message starts with (its first word)
+    examples: dict[str, str] = {}
+    smallest = None
+    for _, outcome in _attempts(tree, base, world, gpus_per_node):
+        if isinstance(outcome, ValueError):
+            setting = str(outcome).split(" ", 1)[0]
+            errors[setting] += 1
+            examples.setdefault(setting, str(outcome))
+            continue
+        total = estimate_memory(outcome[0], world, gpu_memory_gib * GiB).total
+        smallest = total if smallest is None else min(smallest, total)
+    if smallest is not None:
+        return (f"every layout that validates needs at least {smallest / GiB:.1f} GiB per GPU, more than the "
+                f"{usable_bytes(gpu_memory_gib) / GiB:.1f} GiB usable: more GPUs, a shorter token budget "
+                "(trainer.max_tokens_per_micro_batch), more offload, or a smaller engine share "
+                "(rollout.gpu_memory_utilization)")
+    if not errors:
+        return f"no tp x pp x cp of the search divides the {world} trainer ranks"
+    top = errors.most_common(2)
+    others = sum(errors.values()) - sum(count for _, count in top)
+    reasons = "; ".join(f"{count} of them on {setting}, e.g. {examples[setting]}" for setting, count in top)
+    return (f"no layout validates for {world} trainer ranks: {reasons}"
+            + (f" ({others} more on other settings)" if others else ""))
 
 
 def step_seconds(recipe: Recipe, world: int, gpus_per_node: int) -> float:

@@ -126,7 +126,28 @@ def test_plan_reports_qwen2_5_32b_exactly(capsys):
 
 def test_a_layout_that_does_not_fit_exits_1(capsys):
     assert main(["plan", str(R32), "--nodes", "16", "--gpus-per-node", "8", "parallel.pp=1"]) == 1
-    assert "does NOT fit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out
+    # no launch command for a layout that does not fit
+    assert "tools/launch.sh" not in out and "torchrun" not in out
+    assert "launch: none printed, as this layout does not fit" in out
+
+
+def test_search_names_divisibility_when_no_layout_validates(capsys):
+    # 500 prompts: every data-parallel size of 128 ranks (a power of two > 2) leaves a remainder
+    assert main(["plan", str(R32), "--nodes", "16", "--gpus-per-node", "8", "--search",
+                 "data.prompts_per_step=500"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("no layout of the search space fits: no layout validates for 128 trainer ranks")
+    assert "data.prompts_per_step=500 must be divisible by the data-parallel size" in out
+    assert "token budget" not in out and "more GPUs" not in out
+
+
+def test_search_names_memory_when_layouts_validate_but_none_fits(capsys):
+    assert main(["plan", str(R32), "--nodes", "1", "--gpus-per-node", "8", "--search",
+                 "data.prompts_per_step=8", "trainer.mini_batch_prompts=8"]) == 1
+    out = capsys.readouterr().out
+    assert "every layout that validates needs at least" in out and "GiB per GPU, more than the 72.0 GiB usable" in out
 
 
 @pytest.mark.parametrize("overrides, nodes, message", [

@@ -4,7 +4,8 @@ Rules (rules_model.py, rules_algorithm.py, rules_trainer.py) run first, in order
 the verl keys it handles (`map`, `skip`, `derive`, `differ`: the bookkeeping of core.py). Then every
 key left is mapped by the DIRECT table or reported with its UNMAPPED reason (tables.py), and last
 the cluster rule (cluster.py) picks the layout for trainer.nnodes x n_gpus_per_node from the whole
-recipe.
+recipe. Values the recipe cannot take as they are (an interpolation of verl's base config, ???, an
+empty string such as a script's empty variable) are reported first and left unset.
 """
 from __future__ import annotations
 
@@ -64,3 +65,7 @@ def _skip_unresolved(m: Mapper) -> None:
                         "the recipe key yourself")
         elif value == "???":
             m.skip(key, "a mandatory value left unset (???) in the config")
+        elif value == "" or value == [""]:
+            target = f"{DIRECT[key][0]} is" if key in DIRECT else "the recipe keys it maps to are"
+            m.skip(key, f"empty in the source (a variable of the script left empty?): not imported, so {target} "
+                        "unset here (this project's default, or required): set it in the recipe")

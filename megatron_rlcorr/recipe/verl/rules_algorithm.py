@@ -7,8 +7,8 @@ import warnings
 from ...config import RolloutCorrectionConfig
 from .datafiles import data_sources
 from .core import Mapper
-from .tables import A, DAPO_SOURCES, KL_TYPES, RC
-from .values import to_bool, to_int, to_str
+from .tables import A, DAPO_SOURCES, KL_TYPES, OB, RC
+from .values import pos_int, to_bool, to_int, to_str
 
 
 def _reward(m: Mapper) -> None:
@@ -195,4 +195,19 @@ def _correction(m: Mapper) -> None:
         m.differ(f"{RC}.{first}", "decoupled_correction")
 
 
-RULES = (_reward, _long_prompts, _estimator, _dynamic_sampling, _kl, _reference, _loss, _correction)
+def _overlong_limit(m: Mapper) -> None:
+    """reward_kwargs.max_resp_len: where verl's DAPO reward manager puts the overlong limit; here it is
+    always rollout.max_new_tokens (data.max_response_length)."""
+    key = "reward_model.reward_kwargs.max_resp_len"
+    if not m.pending(key):
+        return
+    limit, response = m.convert(key, pos_int), m.get("data.max_response_length")
+    if limit == response:
+        m.skip(key, f"{limit}: the overlong penalty ends at rollout.max_new_tokens here, which is "
+                    "data.max_response_length, the same")
+    else:
+        m.skip(key, f"{limit}: the overlong penalty ends at rollout.max_new_tokens here "
+                    f"(data.max_response_length {response}), not at a length of its own")
+
+
+RULES = (_reward, _overlong_limit, _long_prompts, _estimator, _dynamic_sampling, _kl, _reference, _loss, _correction)

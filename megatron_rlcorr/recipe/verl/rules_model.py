@@ -15,7 +15,8 @@ from .values import Bad, pos_int, to_bool, to_float, to_str
 
 _VLLM_SETTINGS = (R + "tensor_model_parallel_size", R + "gpu_memory_utilization", R + "max_model_len")
 _MEGATRON_LAYOUT = {"tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
-                    "context_parallel_size": "parallel.cp", "virtual_pipeline_model_parallel_size": "parallel.vpp"}
+                    "context_parallel_size": "parallel.cp", "virtual_pipeline_model_parallel_size": "parallel.vpp",
+                    "expert_model_parallel_size": "parallel.ep", "expert_tensor_parallel_size": "parallel.etp"}
 _RECOMPUTE = A + "megatron.override_transformer_config.recompute_"
 _RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 FULL_RECOMPUTE = {"granularity": "full", "method": "uniform", "num_layers": 1}
@@ -189,4 +190,30 @@ def _offload(m: Mapper) -> None:
                 m.map(key, recipe_key, m.convert(key, to_bool))
 
 
-RULES = (_engine, _engine_settings, _precision, _layout, _recompute, _offload)
+def _router_replay(m: Mapper) -> None:
+    """verl's router_replay.mode: R3 replays the rollout engine's routing in the trainer's forwards, as
+    rollout.routing_replay does here; R2 replays the routing the trainer's own pi_old pass recorded."""
+    enable = R + "enable_rollout_routing_replay"
+    for key in (A + "router_replay.mode", "actor_rollout_ref.ref.router_replay.mode"):
+        if not m.pending(key):
+            continue
+        mode = m.convert(key, to_str)
+        if key.startswith("actor_rollout_ref.ref."):
+            m.skip(key, "the reference policy replays the rollout engine's routing whenever rollout.routing_replay "
+                        "is on (the actor's router_replay.mode)")
+        elif mode == "R3":
+            m.map(key, "rollout.routing_replay", True)
+        elif mode == "disabled":
+            m.map(key, "rollout.routing_replay", False)
+        else:
+            m.skip(key, f"{mode}: verl records the routing of the trainer's own pi_old pass and replays it in the "
+                        "updates; that has no counterpart here. rollout.routing_replay is R3 (the rollout engine's "
+                        "routing replayed in every trainer forward, docs/moe.md); without it routing stays free")
+    if m.has(enable) and "rollout.routing_replay" in m.flat and m.pending(enable):
+        value = m.convert(enable, to_bool)
+        if value != m.flat["rollout.routing_replay"]:
+            m.skip(enable, f"{str(value).lower()}: superseded by {A}router_replay.mode (see the mapped "
+                           "rollout.routing_replay)")
+
+
+RULES = (_engine, _engine_settings, _precision, _layout, _recompute, _offload, _router_replay)

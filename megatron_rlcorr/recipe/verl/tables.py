@@ -12,11 +12,12 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Mapping
 
-from .values import pos_int, str_list, to_bool, to_float, to_int, to_str
+from .values import minutes, pos_int, str_list, to_bool, to_float, to_int, to_str
 
 A = "actor_rollout_ref.actor."
 R = "actor_rollout_ref.rollout."
 RC = "algorithm.rollout_correction"
+OB = "reward_model.reward_kwargs.overlong_buffer_cfg."
 # data_source values verl's default_compute_score sends to math_dapo (as do those starting with "aime")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")   # verl's, less "full" (whole distributions)
@@ -82,6 +83,11 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "reward_model.overlong_buffer.enable": ("algorithm.overlong_penalty.enabled", to_bool),
     "reward_model.overlong_buffer.len": ("algorithm.overlong_penalty.buffer", pos_int),
     "reward_model.overlong_buffer.penalty_factor": ("algorithm.overlong_penalty.penalty", to_float),
+    OB + "enable": ("algorithm.overlong_penalty.enabled", to_bool),      # verl HEAD's key for the same
+    OB + "len": ("algorithm.overlong_penalty.buffer", pos_int),
+    OB + "penalty_factor": ("algorithm.overlong_penalty.penalty", to_float),
+    R + "enable_rollout_routing_replay": ("rollout.routing_replay", to_bool),
+    "actor_rollout_ref.nccl_timeout": ("trainer.timeout_minutes", minutes),
     A + "use_kl_loss": ("algorithm.kl_loss.enabled", to_bool),
     A + "kl_loss_coef": ("algorithm.kl_loss.coef", to_float),
     A + "kl_loss_type": ("algorithm.kl_loss.type", to_str),
@@ -111,17 +117,17 @@ DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
 ORDER = (
     "name", "model.architecture", "model.hf_checkpoint", "model.bf16", "model.recompute", "model.offload_params",
     "model.offload_grads", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.vpp", "parallel.sequence_parallel",
-    "rollout.engine", "rollout.precision", "rollout.temperature", "rollout.top_p", "rollout.top_k",
-    "rollout.max_new_tokens", "rollout.n", "rollout.tensor_parallel_size", "rollout.gpu_memory_utilization",
-    "rollout.max_model_len", "rollout.val_kwargs.n", "rollout.val_kwargs.temperature", "rollout.val_kwargs.top_p",
-    "rollout.val_kwargs.top_k", "rollout.val_kwargs.do_sample",
-    "data.train_files", "data.val_files", "data.prompt_key", "data.answer_key", "data.max_prompt_length",
-    "data.prompts_per_step", "data.shuffle", "data.tokenizer", "data.reward", "data.on_long_prompt",
-    "algorithm.advantage_estimator", "algorithm.norm_adv_by_std", "algorithm.dynamic_sampling.enabled",
-    "algorithm.dynamic_sampling.metric", "algorithm.dynamic_sampling.max_num_gen_batches",
-    "algorithm.dynamic_sampling.on_exhausted", "algorithm.overlong_penalty.enabled",
-    "algorithm.overlong_penalty.buffer", "algorithm.overlong_penalty.penalty", "algorithm.kl_loss.enabled",
-    "algorithm.kl_loss.coef", "algorithm.kl_loss.type", "algorithm.kl_in_reward.enabled",
+    "parallel.ep", "parallel.etp", "rollout.engine", "rollout.precision", "rollout.temperature", "rollout.top_p",
+    "rollout.top_k", "rollout.max_new_tokens", "rollout.n", "rollout.tensor_parallel_size",
+    "rollout.gpu_memory_utilization", "rollout.max_model_len", "rollout.routing_replay", "rollout.placement",
+    "rollout.num_ranks", "rollout.val_kwargs.n", "rollout.val_kwargs.temperature", "rollout.val_kwargs.top_p",
+    "rollout.val_kwargs.top_k", "rollout.val_kwargs.do_sample", "data.train_files", "data.val_files",
+    "data.prompt_key", "data.answer_key", "data.max_prompt_length", "data.prompts_per_step", "data.shuffle",
+    "data.tokenizer", "data.reward", "data.on_long_prompt", "algorithm.advantage_estimator",
+    "algorithm.norm_adv_by_std", "algorithm.dynamic_sampling.enabled", "algorithm.dynamic_sampling.metric",
+    "algorithm.dynamic_sampling.max_num_gen_batches", "algorithm.dynamic_sampling.on_exhausted",
+    "algorithm.overlong_penalty.enabled", "algorithm.overlong_penalty.buffer", "algorithm.overlong_penalty.penalty",
+    "algorithm.kl_loss.enabled", "algorithm.kl_loss.coef", "algorithm.kl_loss.type", "algorithm.kl_in_reward.enabled",
     "algorithm.kl_in_reward.coef", "algorithm.kl_in_reward.type", "algorithm.kl_in_reward.controller",
     "algorithm.kl_in_reward.target_kl", "algorithm.kl_in_reward.horizon", "algorithm.reference.offload",
     "algorithm.loss.loss_type", "algorithm.loss.clip_ratio", "algorithm.loss.clip_ratio_low",
@@ -129,12 +135,12 @@ ORDER = (
     "algorithm.loss.loss_scale_factor", "algorithm.loss.entropy_coeff", RC, "optim.lr", "optim.min_lr",
     "optim.warmup_steps", "optim.decay_style", "optim.weight_decay", "optim.clip_grad", "optim.offload_optimizer",
     "trainer.steps", "trainer.mini_batch_prompts", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",
-    "trainer.ppo_epochs", "trainer.seed", "trainer.save_every", "trainer.logger", "trainer.project_name",
-    "trainer.experiment_name", "trainer.test_freq", "trainer.val_before_train", "trainer.val_only",
-    "trainer.log_val_generations",
+    "trainer.ppo_epochs", "trainer.seed", "trainer.timeout_minutes", "trainer.save_every", "trainer.logger",
+    "trainer.project_name", "trainer.experiment_name", "trainer.test_freq", "trainer.val_before_train",
+    "trainer.val_only", "trainer.log_val_generations",
 )
 
-_FSDP = "FSDP settings: this trainer is Megatron-Core only (its layout is parallel: tp/pp/cp/vpp)"
+_FSDP = "FSDP settings: this trainer is Megatron-Core only (its layout is parallel: tp/pp/cp/vpp/ep/etp)"
 _LOG_PROB_BUDGET = ("the log-prob passes (pi_old, reference) pack with the actor's budget, "
                     "trainer.max_tokens_per_micro_batch")
 _ENGINE_TUNING = ("a vLLM setting this project does not expose: rollout/vllm_engine.py (engine_arguments) sets "
@@ -143,7 +149,7 @@ _ENGINE_TUNING = ("a vLLM setting this project does not expose: rollout/vllm_eng
 UNMAPPED: tuple[tuple[str, str], ...] = (
     (r"ulysses_sequence_parallel_size$", "Ulysses sequence parallelism (FSDP): use parallel.cp (context "
                                          "parallelism) for long sequences here"),
-    (r"\.fsdp_config\.|\.strategy$|^actor_rollout_ref\.hybrid_engine$", _FSDP),
+    (r"\.fsdp_config\.|\.strategy$", _FSDP),
     (r"log_prob_use_dynamic_bsz$|log_prob_max_token_len(_per_gpu)?$", _LOG_PROB_BUDGET),
     (r"log_prob_micro_batch_size(_per_gpu)?$", "the log-prob passes use trainer.micro_batch_size"),
     (rf"^{re.escape(A)}ppo_micro_batch_size$", "verl's deprecated global micro-batch size: set "
@@ -177,7 +183,8 @@ UNMAPPED: tuple[tuple[str, str], ...] = (
      "checkpoints go to runs/<name>/checkpoints and a relaunch resumes from the latest (trainer.resume)"),
     (r"ref\.megatron\.(grad_offload|optimizer_offload)$", "the reference has no gradients or optimizer state (its "
                                                            "weights: algorithm.reference.offload)"),
-    (r"megatron\.(expert_model_parallel_size|expert_tensor_parallel_size)$", "MoE models are not supported"),
+    (r"^actor_rollout_ref\.ref\.megatron\.(tensor|pipeline|context|virtual_pipeline|expert|expert_tensor)_(model_)?"
+     r"parallel_size$", "the reference policy runs in the trainer's layout (parallel.*), whatever the actor's is"),
     (r"megatron\.", "a Megatron worker setting of verl with no counterpart here"),
     (r"^critic\.", "no critic: GRPO and RLOO advantages only"),
     (r"^algorithm\.(gamma|lam)$", "GAE parameters: GRPO and RLOO use no critic"),
@@ -187,7 +194,8 @@ UNMAPPED: tuple[tuple[str, str], ...] = (
      "token|sequence, rollout_is_threshold, rollout_rs, ...)"),
     (r"^reward_model\.(enable|model\.|micro_batch_size|max_length|strategy|use_dynamic_bsz)",
      "model-based rewards are not supported: data.reward is a function"),
-    (r"^reward_model\.overlong_buffer\.log$", "the overlong penalty is always logged"),
+    (r"^reward_model\.(overlong_buffer|reward_kwargs\.overlong_buffer_cfg)\.log$", "the overlong penalty is always "
+                                                                                    "logged"),
     (r"^actor_rollout_ref\.model\.", "a model-loading option of verl's workers (the architecture comes from "
                                      "model.hf_checkpoint's config.json)"),
     (rf"^{re.escape(R)}do_sample$", "training rollouts sample at rollout.temperature (0 = greedy, verl's "

@@ -74,3 +74,9 @@ def short(number: float) -> float:
     """A product of floats without binary noise in the YAML (0.1 * 1e-6 -> 1e-07)."""
     return float(f"{number:.12g}")
 
+
+
+def minutes(value: Any) -> int:
+    """Seconds (verl's nccl_timeout) -> whole minutes, rounded up."""
+    seconds = pos_int(value)
+    return -(-seconds // 60)
