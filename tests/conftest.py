@@ -62,6 +62,13 @@ def tiny_hf_moe(tmp_path_factory):
     return _make_tiny_hf(tmp_path_factory, "tiny_hf_moe", "--moe")
 
 
+def pytest_collection_finish(session):
+    """The sys.path the distributed tests' pools start with (tests/dist.py)."""
+    from tests.dist import record_session_sys_path
+
+    record_session_sys_path()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The distributed tests' process pools (tests/dist_pool.py) end with the session."""
     from tests.dist import close_pools

@@ -4,7 +4,8 @@ Used by every distributed test: `run_distributed(fn, world_size, *args)` returns
 per-rank results (rank order). gloo (the CPU path): the function runs in the session's pool of
 `world_size` processes (tests/dist_pool.py: spawned once per world size, state checked clean after
 every case); `fresh=True`, or RLCORR_TEST_FRESH_PROCESSES=1 for every test, spawns new processes
-instead, as the suite did before the pool. backend="nccl": new processes, one GPU each.
+instead, as the suite did before the pool, and so does a call made while the test has changed
+sys.path (a stand-in package put first: new processes start with the caller's sys.path). backend="nccl": new processes, one GPU each.
 Collectives get a short timeout so a hang fails the test instead of stalling CI; an exception on
 any rank is re-raised here with its traceback.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 import traceback
 
@@ -25,6 +27,15 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 _pools: dict[int, "Pool"] = {}
+# A test that changed sys.path (monkeypatch.syspath_prepend of a stand-in package) gets new processes,
+# which start with its sys.path, as they did before the pool; the pool's processes keep the session's,
+# recorded once collection is over (tests/conftest.py) or at the first call outside pytest.
+_session_sys_path: list[str] | None = None
+
+
+def record_session_sys_path() -> None:
+    global _session_sys_path
+    _session_sys_path = list(sys.path)
 
 
 def _worker(rank, world_size, port, fn, args, out_dir, backend):
@@ -53,7 +64,10 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", fresh: bo
     backend "gloo": CPU processes of the session's pool (module docstring; the CPU-path tests hide
     the GPUs themselves); "nccl": one GPU per process, which needs `world_size` GPUs (see
     `nccl_or_skip`). `fresh`: new processes for this call alone."""
-    if backend == "gloo" and not fresh and os.environ.get("RLCORR_TEST_FRESH_PROCESSES") != "1":
+    if _session_sys_path is None:
+        record_session_sys_path()
+    if backend == "gloo" and not fresh and os.environ.get("RLCORR_TEST_FRESH_PROCESSES") != "1" \
+            and sys.path == _session_sys_path:
         return _run_in_pool(fn, world_size, args)
     return _run_fresh(fn, world_size, args, backend)
 

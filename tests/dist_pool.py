@@ -229,6 +229,20 @@ def _apply_env(changes: dict[str, str | None]) -> dict[str, str | None]:
     return undo
 
 
+def _import_the_package() -> None:
+    """Every module of megatron_rlcorr (about 1.5 s once), so each is in the leak check's recording
+    before any case: a module first imported by a case and patched in the same case would be recorded
+    patched."""
+    import importlib
+    import pkgutil
+
+    import megatron.core.transformer.moe.router_replay  # noqa: F401 - torn down after each case
+    import megatron_rlcorr
+
+    for module in pkgutil.walk_packages(megatron_rlcorr.__path__, "megatron_rlcorr."):
+        importlib.import_module(module.name)
+
+
 def worker_main(rank: int, world_size: int, port: int, conn, timeout) -> None:
     """One pool process: set up once (module docstring), then run cases until told to stop."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -239,7 +253,7 @@ def worker_main(rank: int, world_size: int, port: int, conn, timeout) -> None:
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
 
     enable_cpu_megatron()
-    import megatron.core.transformer.moe.router_replay  # noqa: F401 - watched from the start
+    _import_the_package()
     fingerprint = _Fingerprint()
     gc.collect()
     gc.freeze()  # what the set-up made stays: each case's collection then scans only the case's objects
@@ -348,15 +362,31 @@ class Pool:
                         data = ready.recv_bytes()
                     except EOFError:
                         continue  # the sentinel reports the exit
-                    check(rank, data)
+                    try:
+                        check(rank, data)
+                    except WorkerFailure as failure:
+                        # A rank's death makes its peers' collectives fail at once: report the cause.
+                        dead = self._dead_without_reply(pending - {rank}, wait_s=3.0)
+                        if dead is not None:
+                            raise self._died(dead, name) from failure
+                        raise
                     out[rank] = data
                     pending.discard(rank)
                 elif sentinels[ready] in pending and not self.conns[sentinels[ready]].poll():
-                    rank = sentinels[ready]
-                    self.procs[rank].join(1)
-                    raise WorkerFailure(f"pool worker rank {rank} of {self.world_size} died (exit code "
-                                        f"{self.procs[rank].exitcode}) while running {name}")
+                    raise self._died(sentinels[ready], name)
         return out
+
+    def _dead_without_reply(self, ranks: set[int], wait_s: float) -> int | None:
+        wait([self.procs[r].sentinel for r in ranks], timeout=wait_s)
+        for rank in sorted(ranks):
+            if not self.procs[rank].is_alive() and not self.conns[rank].poll():
+                return rank
+        return None
+
+    def _died(self, rank: int, name: str) -> WorkerFailure:
+        self.procs[rank].join(1)
+        return WorkerFailure(f"pool worker rank {rank} of {self.world_size} died (exit code "
+                             f"{self.procs[rank].exitcode}) while running {name}")
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)

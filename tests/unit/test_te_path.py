@@ -377,9 +377,13 @@ def _device_init_worker(rank, world, cfg_dict, tokens):
     enable_cpu_megatron()
     groups = build_parallel_groups(world, 1, 1)
     out = {}
+    fields = implementation.implementation_fields
     for host in (True, False):
         implementation.implementation_fields = lambda impl, *, main_grads, host=host: {"use_cpu_initialization": host}
-        model = build.build_gpt_model(ModelConfig(**cfg_dict), groups, seed=5)
+        try:
+            model = build.build_gpt_model(ModelConfig(**cfg_dict), groups, seed=5)
+        finally:
+            implementation.implementation_fields = fields
         with torch.no_grad():
             logits = model(tokens, None, None)
         marks = {name: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", None))
