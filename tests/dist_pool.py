@@ -360,8 +360,8 @@ class Pool:
                     rank = by_obj[ready]
                     try:
                         data = ready.recv_bytes()
-                    except EOFError:
-                        continue  # the sentinel reports the exit
+                    except EOFError:  # the process is gone without a reply
+                        raise self._died(rank, name) from None
                     try:
                         check(rank, data)
                     except WorkerFailure as failure:
@@ -372,15 +372,16 @@ class Pool:
                         raise
                     out[rank] = data
                     pending.discard(rank)
-                elif sentinels[ready] in pending and not self.conns[sentinels[ready]].poll():
+                elif sentinels[ready] in pending and self.procs[sentinels[ready]].exitcode != 0:
                     raise self._died(sentinels[ready], name)
+                # An exit code 0 follows a reply (worker_main): its pipe is read above.
         return out
 
     def _dead_without_reply(self, ranks: set[int], wait_s: float) -> int | None:
         wait([self.procs[r].sentinel for r in ranks], timeout=wait_s)
         for rank in sorted(ranks):
-            if not self.procs[rank].is_alive() and not self.conns[rank].poll():
-                return rank
+            if not self.procs[rank].is_alive() and self.procs[rank].exitcode != 0:
+                return rank  # worker_main exits 0 only after its reply
         return None
 
     def _died(self, rank: int, name: str) -> WorkerFailure:

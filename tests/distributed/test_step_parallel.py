@@ -651,18 +651,21 @@ def _aligned_worker(rank, world, runs, batches, alignment):
     hide_gpus()
     from megatron_rlcorr.training import local_batch
 
-    local_batch.sequence_multiple = lambda config: alignment
     seen = []
     import megatron.core.models.gpt.gpt_model as gpt_model
 
-    forward = gpt_model.GPTModel.forward
+    forward, multiple = gpt_model.GPTModel.forward, local_batch.sequence_multiple
 
     def recording_forward(self, input_ids, *args, **kwargs):
         seen.append(tuple(input_ids.shape))
         return forward(self, input_ids, *args, **kwargs)
 
+    local_batch.sequence_multiple = lambda config: alignment
     gpt_model.GPTModel.forward = recording_forward
-    results = _train_worker(rank, world, 1, 1, 1, runs, batches)
+    try:
+        results = _train_worker(rank, world, 1, 1, 1, runs, batches)
+    finally:  # the process outlives the case (tests/dist_pool.py)
+        gpt_model.GPTModel.forward, local_batch.sequence_multiple = forward, multiple
     return results, seen
 
 
