@@ -71,7 +71,9 @@ def test_trackers_log_what_metrics_jsonl_holds_and_a_resume_continues_their_runs
                      "trainer.project_name=rlcorr-test", "trainer.experiment_name=trk-exp",
                      "data.prompts_per_step=2", "rollout.n=4", "trainer.micro_batch_size=8",
                      "algorithm.dynamic_sampling.enabled=false"])
-    first, resumed = run_distributed(train_runs, 1, [launch, launch])[0]
+    # New processes: wandb and MLflow keep process-wide state (a service thread, its socket in the
+    # environment) that the session's pool would carry into later cases (tests/dist_pool.py).
+    first, resumed = run_distributed(train_runs, 1, [launch, launch], fresh=True)[0]
     run_dir = tmp_path / "trk"
     assert [r["step"] for r in first] == list(range(1, EXIT + 1))
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
