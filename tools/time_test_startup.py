@@ -14,6 +14,7 @@ tear-down and leak check included. Run from the repository root in the test envi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ def _time(fn, *args, **kwargs) -> float:
 
 
 def main(argv=None) -> int:
+    os.environ["RLCORR_TEST_POOL"] = "1"  # the pool columns (fresh=True forces the others)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
