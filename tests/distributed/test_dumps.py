@@ -46,12 +46,17 @@ def test_dumps_hold_the_step_batch_the_same_under_every_layout(tmp_path):
             # bf16 engine vs fp32 trainer: close, not equal (the mismatch the correction is for)
             assert max(abs(a - b) for a, b in zip(r["log_probs"], r["rollout_log_probs"])) < 0.1
         assert any(r["log_probs"] != r["rollout_log_probs"] for r in ref)
+        # Step 1 generates with the same initial weights everywhere: its rollout log-probs are equal.
+        # After a step, each layout's weights differ from one process's by float rounding, which the
+        # bf16 engine's log-probs show (1e-4 seen on the 2-core machine): close, not bit-equal.
+        exact = ("log_probs",) if step == 1 else ("log_probs", "rollout_log_probs")
         for name in ("dp2", "tp2", "pp2"):
             other = _dump(tmp_path / name, step)
-            assert [{k: v for k, v in r.items() if k != "log_probs"} for r in other] == \
-                [{k: v for k, v in r.items() if k != "log_probs"} for r in ref], name
+            assert [{k: v for k, v in r.items() if k not in exact} for r in other] == \
+                [{k: v for k, v in r.items() if k not in exact} for r in ref], name
             for a, b in zip(other, ref):
                 assert a["log_probs"] == pytest.approx(b["log_probs"], rel=1e-5, abs=1e-5), name
+                assert a["rollout_log_probs"] == pytest.approx(b["rollout_log_probs"], abs=1e-3), name
     assert not (tmp_path / "bounded" / "dumps" / "step_1.jsonl").exists()
     bounded = _dump(tmp_path / "bounded", 2)
     assert len(bounded) == 6  # 3 from each of the 2 replicas, in DP-rank order
