@@ -74,3 +74,13 @@ def pytest_sessionfinish(session, exitstatus):
     from tests.dist import close_pools
 
     close_pools()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many process pools the distributed tests started, and why worn ones were replaced."""
+    from tests.dist import pool_stats
+
+    if pool_stats["started"]:
+        terminalreporter.write_line(f"distributed test pools started: {pool_stats['started']}")
+        for reason in pool_stats["replaced"]:
+            terminalreporter.write_line(f"  replaced a pool of {reason}")

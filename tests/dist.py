@@ -79,7 +79,9 @@ def _run_in_pool(fn, world_size: int, args):
     if pool is None or not pool.alive():
         if pool is not None:
             pool.close(kill=True)
+            pool_stats["replaced"].append(f"{world_size} processes: {'; '.join(pool.worn) or 'a worker died'}")
         pool = Pool(world_size, COLLECTIVE_TIMEOUT)
+        pool_stats["started"] += 1
     name = os.environ.get("PYTEST_CURRENT_TEST", fn.__qualname__)
     try:
         results = pool.run(fn, args, name)
@@ -88,6 +90,11 @@ def _run_in_pool(fn, world_size: int, args):
         raise
     _pools[world_size] = pool
     return results
+
+
+# What the session's pools did, for pytest's summary (tests/conftest.py): pools started, and why
+# the worn ones (tests/dist_pool.py `_worn`) were replaced.
+pool_stats: dict = {"started": 0, "replaced": []}
 
 
 def close_pools() -> None:

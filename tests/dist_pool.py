@@ -37,6 +37,7 @@ before the pool (tensors, dataclasses and tuples alike).
 from __future__ import annotations
 
 import atexit
+import collections
 import gc
 import io
 import logging
@@ -60,6 +61,11 @@ _IGNORED_ENV = ("MASTER_PORT",)  # set per case (a case that makes its own defau
 # Megatron-Core's TransformerConfig sets these for its attention-backend choice in every process that
 # builds a model: restored after each case, as a new process would start without them.
 _RESTORED_ENV_PREFIXES = ("NVTE_",)
+_DDP_HOOK = "DistributedDataParallel._make_backward_post_hook"
+# A worker is replaced past these (`_worn`): a few threads come and go (torch's, the store's), while a
+# leaked group set holds about 50; the 2-core CI machine has 24 GiB for up to 8 workers.
+_SPARE_THREADS = 32
+_MAX_RSS_GIB = 2.0
 
 
 def free_port() -> int:
@@ -214,8 +220,35 @@ def _tear_down(rank: int, world_size: int, default_group, reinit_port: int, time
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     RouterReplay.global_router_replay_instances.clear()
+    _break_ddp_hook_cycles()
     gc.collect()
     return problems
+
+
+def _break_ddp_hook_cycles() -> None:
+    """Let the case's Megatron-Core DDP models be collected. Each registers a backward hook on its
+    parameters' gradient accumulators (C++ autograd nodes) whose closure holds the model: a cycle
+    through C++ that Python's collector cannot see, so the model, its optimizer and its process groups
+    (two gloo threads and a transport thread per group) outlived the case, about 50 threads per
+    training run (found 2026-11-27: a pool worker had 1153 threads). Emptying the hooks' dicts
+    (held only by those nodes) breaks the cycle."""
+    for obj in gc.get_objects():
+        if type(obj) is collections.OrderedDict and obj and all(
+                getattr(hook, "__qualname__", "").startswith(_DDP_HOOK) for hook in obj.values()):
+            obj.clear()
+
+
+def _worn(baseline_threads: int) -> str | None:
+    """Why this worker should be replaced (the pool then starts new processes for the next case), or
+    None: native threads or resident memory grown past what a clean tear-down leaves, from state
+    a case left that the tear-down does not know (a cycle like `_break_ddp_hook_cycles`'s)."""
+    threads = len(os.listdir("/proc/self/task"))
+    if threads > baseline_threads + _SPARE_THREADS:
+        return f"{threads} threads (started with {baseline_threads})"
+    rss_gib = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    if rss_gib > _MAX_RSS_GIB:
+        return f"{rss_gib:.1f} GiB resident"
+    return None
 
 
 def _apply_env(changes: dict[str, str | None]) -> dict[str, str | None]:
@@ -256,6 +289,7 @@ def worker_main(rank: int, world_size: int, port: int, conn, timeout) -> None:
     _import_the_package()
     fingerprint = _Fingerprint()
     gc.collect()
+    baseline_threads = len(os.listdir("/proc/self/task"))
     gc.freeze()  # what the set-up made stays: each case's collection then scans only the case's objects
     conn.send_bytes(b"ready")
     while True:
@@ -284,8 +318,9 @@ def worker_main(rank: int, world_size: int, port: int, conn, timeout) -> None:
         except BaseException:  # noqa: BLE001
             problems = [f"tear-down failed:\n{traceback.format_exc()}"]
         reply["leaks"] = problems
+        reply["worn"] = None if problems else _worn(baseline_threads)
         conn.send_bytes(_dumps(reply))
-        if problems:
+        if problems or reply["worn"]:
             return
 
 
@@ -305,6 +340,7 @@ class Pool:
         self.world_size = world_size
         self.env = dict(os.environ)
         self.conns, self.procs = [], []
+        self.worn: list[str] = []  # why the last case's workers asked to be replaced (`_worn`)
         port = free_port()
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
@@ -338,6 +374,7 @@ class Pool:
         for conn in self.conns:
             conn.send_bytes(payload)
         replies = [_loads(data) for data in self._gather(self._check_reply, stop_on_error=True, name=name)]
+        self.worn = [f"rank {rank}: {reply['worn']}" for rank, reply in enumerate(replies) if reply["worn"]]
         return [reply["result"] for reply in replies]
 
     @staticmethod
@@ -390,7 +427,8 @@ class Pool:
                              f"{self.procs[rank].exitcode}) while running {name}")
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        """Every worker runs and none is worn (`_worn`: those exit after their reply)."""
+        return not self.worn and all(p.is_alive() for p in self.procs)
 
     def close(self, kill: bool = False) -> None:
         if not kill:

@@ -79,6 +79,33 @@ def _hang_on_rank0(rank, world):
     return rank
 
 
+def _native_threads(rank, world):
+    return len(os.listdir("/proc/self/task"))
+
+
+def _build_ddp_model(rank, world):
+    """A tiny GPT model wrapped in Megatron-Core's DDP with its optimizer, over tp=2, left to the
+    tear-down: the model's backward hooks hold it in a cycle through C++ autograd nodes."""
+    from megatron_rlcorr.model.config import ModelConfig
+    from megatron_rlcorr.parallel.groups import build_parallel_groups
+    from megatron_rlcorr.training.optimizer import OptimSettings, build_model_and_optimizer
+
+    groups = build_parallel_groups(2, 1, 1)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=64)
+    build_model_and_optimizer(cfg, OptimSettings(), groups, seed=1, total_steps=1)
+    return _native_threads(rank, world)
+
+
+_KEPT = []  # groups that a case keeps alive past the tear-down
+
+
+def _keep_groups_alive(rank, world, count):
+    import torch.distributed as dist
+
+    _KEPT.extend(dist.new_group([0, 1]) for _ in range(count))
+
+
 def _read_env(rank, world, key):
     return os.environ.get(key)
 
@@ -131,9 +158,10 @@ def test_a_dead_worker_names_the_test_and_a_new_pool_works(pool2):
 def test_a_hang_fails_within_the_collective_timeout(pool2):
     import time
 
+    pool = pool2()  # started before the clock: a pool's start-up is not the hang's timeout
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match="rank 0 failed"):
-        pool2().run(_hang_on_rank0, (), "hangs")
+        pool.run(_hang_on_rank0, (), "hangs")
     assert time.monotonic() - start < TIMEOUT.total_seconds() + 30
 
 
@@ -143,3 +171,28 @@ def test_the_parents_environment_reaches_the_case_and_only_it(pool2, monkeypatch
     assert pool.run(_read_env, ("RLCORR_HARNESS_PARENT",), "env") == ["set by the test"] * 2
     monkeypatch.delenv("RLCORR_HARNESS_PARENT")
     assert pool.run(_read_env, ("RLCORR_HARNESS_PARENT",), "env") == [None, None]
+
+
+def test_a_ddp_models_groups_and_threads_do_not_outlive_the_case(pool2):
+    """Megatron-Core's DDP hooks hold the model in a cycle Python's collector cannot see; the tear-down
+    breaks it, so the model's gloo groups and their threads end with the case: the threads left after
+    one model (the first one leaves a few for good, once) are those left after two."""
+    pool = pool2()
+    during = pool.run(_build_ddp_model, (), "ddp")
+    after_one = pool.run(_native_threads, (), "after one")
+    pool.run(_build_ddp_model, (), "ddp again")
+    after_two = pool.run(_native_threads, (), "after two")
+    assert after_two == after_one, (after_one, after_two)
+    assert all(d > a + 20 for d, a in zip(during, after_one))  # the model's groups had their threads
+    assert not pool.worn and pool.alive()
+
+
+def test_a_worker_worn_by_kept_threads_is_replaced_not_failed(pool2):
+    """State the tear-down cannot free (here gloo groups a module keeps) makes the workers ask to be
+    replaced once past the spare threads; the case itself passes, the next gets new processes."""
+    from tests.dist_pool import _SPARE_THREADS
+
+    pool = pool2()
+    pool.run(_keep_groups_alive, (_SPARE_THREADS // 3 + 2,), "keeps groups")  # 3 threads a gloo group
+    assert len(pool.worn) == 2 and all("threads" in why for why in pool.worn), pool.worn
+    assert not pool.alive()
