@@ -1,5 +1,6 @@
 """Helpers for tests that train whole runs: metrics records, and training several recipes in turn
-inside one gloo world (`run_distributed(train_runs, world_size, runs)`)."""
+inside one gloo world (`run_distributed(train_runs, world_size, runs)`, or `train_runs_in_env` where the
+runs need environment variables of their own)."""
 from __future__ import annotations
 
 import json
@@ -37,3 +38,32 @@ def train_runs(rank, world_size, runs):
             destroy_parallel_groups()
         out.append(read_metrics(run_dir) if rank == 0 else None)
     return out
+
+
+def train_runs_in_env(rank, world_size, runs, env):
+    """train_runs with the environment variables `env` set (a value None: unset) while the runs train;
+    afterwards the process as a launch's end leaves it: wandb's service stopped (`wandb.teardown()`,
+    which a process exit does), and the environment as it was.
+
+    For runs that log to trackers: a session-scoped run has no monkeypatch (WANDB_MODE=offline), and
+    what the trackers leave in the process (wandb's service threads and WANDB_SERVICE, MLflow's
+    file-store opt-in MLFLOW_ALLOW_FILE_STORE=true of rl/trackers.py) must not outlive the case: a pool
+    worker (tests/dist_pool.py) is reused by later cases, and the pool fails a case that leaves
+    them behind."""
+    import os
+    import sys
+
+    saved = dict(os.environ)
+    try:
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        return train_runs(rank, world_size, runs)
+    finally:
+        if "wandb" in sys.modules:
+            sys.modules["wandb"].teardown()
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        os.environ.update(saved)

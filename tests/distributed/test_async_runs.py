@@ -5,7 +5,11 @@ the same staleness with rollout.policy_lag, and exact resume after a planned sto
 The schedule's promise (rl/async_rollout.py's docstring): step t trains on rollouts generated
 with the weights after step max(0, t - 1 - S), the same rollouts `rollout.policy_lag: S` makes on
 colocated ranks, so the two runs' metrics agree bit for bit (all but the wall-clock ones).
-Baseline runs are shared between tests (module fixtures) to keep the file's time low.
+Baseline runs are shared between tests (module fixtures) to keep the file's time low: the
+uninterrupted S=2 launch is both the separate run that the colocated policy_lag=2 run must repeat
+and the run that the resumed ones must repeat. The colocated runs, which only give metrics to
+compare with, train in the test's gloo worker pool (tests/runs.py `train_runs`, the trainer that
+torchrun's entry point runs); every separate run is a real torchrun launch.
 """
 import os
 import signal
@@ -17,7 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.runs import deterministic, read_metrics
+from tests.dist import run_distributed
+from tests.runs import deterministic, read_metrics, train_runs
 
 pytestmark = [pytest.mark.distributed]
 
@@ -46,36 +51,41 @@ def launch(nproc: int, out: Path, name: str, *overrides: str, timeout: float = R
     return read_metrics(out / name)
 
 
+def colocated(nproc: int, out: Path, name: str, *overrides: str) -> list[dict]:
+    """The tiny recipe on `nproc` colocated ranks of the worker pool (not a launch): its metrics rows."""
+    (records,) = run_distributed(train_runs, nproc, [(TINY, [*COMMON, f"trainer.output_dir={out}", f"name={name}",
+                                                              *overrides])])[0]
+    return records
+
+
 def rows(records: list[dict]) -> list[dict]:
     return [deterministic(r) for r in records]
 
 
-# ---- 1. separate (2 trainer + 1 rollout rank, S=1) == colocated 2 ranks with policy_lag=1 ----
+# ---- 1. separate (2 trainer + 1 rollout rank, S=2) == colocated 2 ranks with policy_lag=2 ----
 
 @pytest.fixture(scope="module")
-def staleness_one(tmp_path_factory):
-    out = tmp_path_factory.mktemp("staleness_one")
-    separate = launch(3, out, "separate", *SEPARATE, "rollout.num_ranks=1", "rollout.max_staleness=1",
-                      "trainer.steps=4")
-    colocated = launch(2, out, "colocated", "rollout.policy_lag=1", "trainer.steps=4")
-    return separate, colocated
+def colocated_lag_two(tmp_path_factory):
+    """The colocated run with the staleness of `uninterrupted` (section 3): policy_lag=2, 2 ranks, 5 steps."""
+    return colocated(2, tmp_path_factory.mktemp("colocated_lag_two"), "colocated", "rollout.policy_lag=2",
+                     "trainer.steps=5")
 
 
 @pytest.mark.timeout(600)
-def test_separate_rollout_rank_repeats_the_colocated_policy_lag(staleness_one):
-    separate, colocated = staleness_one
-    assert [r["step"] for r in separate] == [r["step"] for r in colocated] == [1, 2, 3, 4]
-    for sep, col in zip(separate, colocated):
+def test_separate_rollout_rank_repeats_the_colocated_policy_lag(uninterrupted, colocated_lag_two):
+    separate, lagged = uninterrupted, colocated_lag_two  # max_staleness 2 (RESUME) and policy_lag 2
+    assert [r["step"] for r in separate] == [r["step"] for r in lagged] == [1, 2, 3, 4, 5]
+    for sep, col in zip(separate, lagged):
         for record in (sep, col):
             # staleness logged by both modes; dynamic sampling's top-up rounds ran (on the rollout rank
             # when separate)
             assert {"rollout/staleness_mean", "rollout/staleness_max", "dynamic_sampling/num_gen_batches"} \
                 <= record.keys()
-            assert record["rollout/staleness_max"] == min(record["step"] - 1, 1) <= 1
+            assert record["rollout/staleness_max"] == min(record["step"] - 1, 2) <= 2
             assert record["rollout/staleness_mean"] <= record["rollout/staleness_max"]
         assert {"timing/wait_for_rollout_s", "timing/gen_s"} <= sep.keys()
         assert deterministic(sep) == deterministic(col), sep["step"]
-    assert len({r["loss"] for r in separate}) == 4  # the steps really differ
+    assert len({r["loss"] for r in separate}) == 5  # the steps really differ
 
 
 # ---- 2. dp2 x tp2 trainer + 2 rollout ranks == colocated tp2 (and step 1 == one process) ----
@@ -88,10 +98,10 @@ def test_tp2_trainer_with_two_rollout_ranks_repeats_the_colocated_run(tmp_path):
     steps = f"trainer.steps={TP_STEPS}"
     separate = launch(6, tmp_path, "separate", *SEPARATE, "parallel.tp=2", "rollout.num_ranks=2",
                       "rollout.max_staleness=1", steps)
-    colocated = launch(4, tmp_path, "colocated", "parallel.tp=2", "rollout.policy_lag=1", steps)
-    single = launch(1, tmp_path, "single", "rollout.policy_lag=1", steps)
-    assert [r["step"] for r in separate] == [r["step"] for r in colocated] == list(range(1, TP_STEPS + 1))
-    assert rows(separate) == rows(colocated)
+    tp2 = colocated(4, tmp_path, "colocated", "parallel.tp=2", "rollout.policy_lag=1", steps)
+    single = colocated(1, tmp_path, "single", "rollout.policy_lag=1", steps)
+    assert [r["step"] for r in separate] == [r["step"] for r in tp2] == list(range(1, TP_STEPS + 1))
+    assert rows(separate) == rows(tp2)
     assert [r["rollout/staleness_max"] for r in separate] == [0, 1, 1]
     # Step 1 samples with the initial weights, which do not depend on the layout: its rollouts, and so
     # every statistic of them, are those of one process, bit for bit.
@@ -122,7 +132,8 @@ RESUME = [*SEPARATE, "rollout.num_ranks=1", "rollout.max_staleness=2", "trainer.
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The 5-step S=2 run that the resumed ones must repeat."""
+    """The 5-step S=2 run that the resumed ones must repeat, and that repeats the colocated
+    policy_lag=2 run (section 1)."""
     return launch(3, tmp_path_factory.mktemp("uninterrupted"), "whole", *RESUME)
 
 

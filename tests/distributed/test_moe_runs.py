@@ -4,8 +4,9 @@ fp32 trainer (recipes/tiny_hf_moe_cpu.yaml).
 
 Expert parallelism over the two data-parallel ranks: their micro-batches differ in width (each
 rank pads to its own longest sequence), and every MoE forward is a collective of the expert group
-(training/step.py agrees the shapes), so an ep 2 run must go through and follow the ep 1 run; and a
-run stopped after 2 of 4 steps and resumed from its checkpoint (experts saved per EP rank) must
+(training/step.py agrees the shapes), so an ep 2 run must go through and follow the ep 1 run (at
+step 1, which both sample from the checkpoint's weights: the ep 1 run trains that step only); and a
+run stopped after 1 of 2 steps and resumed from its checkpoint (experts saved per EP rank) must
 equal the uninterrupted one.
 """
 from pathlib import Path
@@ -27,13 +28,14 @@ SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4",
 def test_expert_parallel_run_follows_ep1_and_resumes_exactly(tiny_hf_moe, tmp_path):
     common = [*SMALL, f"model.hf_checkpoint={tiny_hf_moe / 'model'}",
               f"data.train_files=[{tiny_hf_moe / 'data' / 'train.parquet'}]", f"trainer.output_dir={tmp_path}"]
-    runs = [(RECIPE, [*common, "name=ep1", "trainer.steps=4"]),
-            (RECIPE, [*common, "name=ep2", "trainer.steps=4", "parallel.ep=2"]),
-            (RECIPE, [*common, "name=exit", "trainer.steps=4", "trainer.exit_interval=2", "parallel.ep=2"]),
-            (RECIPE, [*common, "name=exit", "trainer.steps=4", "trainer.exit_interval=2", "parallel.ep=2"])]
+    runs = [(RECIPE, [*common, "name=ep1", "trainer.steps=1"]),
+            (RECIPE, [*common, "name=ep2", "trainer.steps=2", "parallel.ep=2"]),
+            (RECIPE, [*common, "name=exit", "trainer.steps=2", "trainer.exit_interval=1", "parallel.ep=2"]),
+            (RECIPE, [*common, "name=exit", "trainer.steps=2", "trainer.exit_interval=1", "parallel.ep=2"])]
     ep1, ep2, first_half, resumed = run_distributed(train_runs, 2, runs)[0]
 
-    assert resumed[:2] == first_half
+    assert [r["step"] for r in first_half] == [1] and [r["step"] for r in resumed] == [1, 2]
+    assert resumed[:1] == first_half
     assert [deterministic(r) for r in resumed] == [deterministic(r) for r in ep2]
     # Step 1 samples from the checkpoint's weights on both layouts: the same rollouts, and the same
     # update up to the order in which the expert group sums its experts' outputs.

@@ -1,21 +1,19 @@
 """A real run logging to every tracker, stopped by exit_interval and resumed: TensorBoard's events,
 wandb's offline run files and MLflow's file store hold the steps and values of metrics.jsonl, and the
-resumed launch continues the same wandb and MLflow runs."""
+resumed launch continues the same wandb and MLflow runs.
+
+The run is the session's `one_process_run` (tests/distributed/conftest.py: tiny_cpu on one process,
+3 steps, stopped after step 2 and resumed, wandb offline, MLflow's file store in the run directory),
+which test_dumps.py reads too."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.dist import run_distributed
-from tests.runs import read_metrics, train_runs
+from tests.runs import read_metrics
 
 pytestmark = [pytest.mark.distributed]
-
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "recipes" / "tiny_cpu.yaml"
-STEPS, EXIT = 3, 2
 
 
 def _jsonl_history(run_dir):
@@ -56,27 +54,21 @@ def _tensorboard_history(log_dir):
     return history
 
 
-def test_trackers_log_what_metrics_jsonl_holds_and_a_resume_continues_their_runs(tmp_path, monkeypatch):
+def test_trackers_log_what_metrics_jsonl_holds_and_a_resume_continues_their_runs(one_process_run, monkeypatch):
     for module in ("wandb", "mlflow", "tensorboard"):
         pytest.importorskip(module)
     from mlflow.tracking import MlflowClient
 
     from megatron_rlcorr.rl.trackers import mlflow_name
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # here for `wandb leet inspect` (the run had it: conftest.py)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    launch = (TINY, ["name=trk", f"trainer.output_dir={tmp_path}", f"trainer.steps={STEPS}",
-                     f"trainer.exit_interval={EXIT}", "trainer.logger=[console,tensorboard,wandb,mlflow]",
-                     "trainer.project_name=rlcorr-test", "trainer.experiment_name=trk-exp",
-                     "data.prompts_per_step=2", "rollout.n=4", "trainer.micro_batch_size=8",
-                     "algorithm.dynamic_sampling.enabled=false"])
-    # New processes: wandb and MLflow keep process-wide state (a service thread, its socket in the
-    # environment) that the session's pool would carry into later cases (tests/dist_pool.py).
-    first, resumed = run_distributed(train_runs, 1, [launch, launch], fresh=True)[0]
-    run_dir = tmp_path / "trk"
-    assert [r["step"] for r in first] == list(range(1, EXIT + 1))
-    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    run = one_process_run
+    steps, exit_interval = run.steps, run.exit_interval
+    first, resumed, run_dir = run.first, run.resumed, run.run_dir
+    assert run.loggers == ["console", "tensorboard", "wandb", "mlflow"]
+    assert [r["step"] for r in first] == list(range(1, exit_interval + 1))
+    assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     expected = _jsonl_history(run_dir)
     ids = json.loads((run_dir / "trackers.json").read_text())
 
@@ -85,15 +77,15 @@ def test_trackers_log_what_metrics_jsonl_holds_and_a_resume_continues_their_runs
     assert len(launches) == 2 and all(d.name.endswith("-" + ids["wandb"]["id"]) for d in launches)
     wandb_history, configs = {}, []
     for i, directory in enumerate(launches):
-        run, config, history = _wandb_history(next(directory.glob("*.wandb")))
-        assert run["run_id"] == ids["wandb"]["id"] and run["project"] == "rlcorr-test"
-        assert run["display_name"] == "trk-exp" and bool(run.get("resume")) == (i == 1)
+        wandb_run, config, history = _wandb_history(next(directory.glob("*.wandb")))
+        assert wandb_run["run_id"] == ids["wandb"]["id"] and wandb_run["project"] == "rlcorr-test"
+        assert wandb_run["display_name"] == "trk-exp" and bool(wandb_run.get("resume")) == (i == 1)
         configs.append(config)
         wandb_history.update(history)
     assert wandb_history.keys() == expected.keys()
     for step, values in expected.items():
         assert wandb_history[step] == pytest.approx(values, rel=1e-12, abs=0), step
-    assert all(c["trainer"]["steps"] == STEPS and c["rollout"]["n"] == 4 for c in configs)
+    assert all(c["trainer"]["steps"] == steps and c["rollout"]["n"] == 4 for c in configs)
 
     # MLflow's file store in the run directory: one run, the same steps and values under mapped names.
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 opens a file store only with it
@@ -107,7 +99,7 @@ def test_trackers_log_what_metrics_jsonl_holds_and_a_resume_continues_their_runs
         history = client.get_metric_history(ids["mlflow"]["run_id"], mlflow_name(name))
         assert [(m.step, m.value) for m in history] == [(s, v[name]) for s, v in expected.items() if name in v], name
     params = runs[0].data.params
-    assert params["trainer.steps"] == str(STEPS) and params["rollout.n"] == "4"
+    assert params["trainer.steps"] == str(steps) and params["rollout.n"] == "4"
     assert json.loads(params["trainer.logger"]) == ["console", "tensorboard", "wandb", "mlflow"]
 
     # TensorBoard (float32 scalars): the same steps and values.

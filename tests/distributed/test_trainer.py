@@ -60,7 +60,9 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
 
 
 def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
-    k = 3
+    """Stopped by exit_interval after step k and resumed, the run repeats the uninterrupted one bit
+    for bit, through the lr schedule's turn from warm-up to cosine decay after the resume."""
+    k = 2
     common = [*SMALL, "algorithm.dynamic_sampling.enabled=true", "optim.warmup_steps=2", "optim.decay_style=cosine"]
 
     def run(name, *extra):
@@ -77,17 +79,38 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     assert [deterministic(r) for r in resumed] == [deterministic(r) for r in whole]  # ...and k+1.. repeat
     assert len({r["loss"] for r in whole}) == 2 * k  # the steps really differ
     assert whole[0]["lr"] == 0.0 and whole[-1]["lr"] != whole[2]["lr"]  # warm-up and cosine decay ran
+    assert resumed[k]["lr"] == whole[k]["lr"] > resumed[k + 1]["lr"] > 0  # the peak, then the decay: after the resume
 
 
-def test_extending_a_finished_run_continues_it(tmp_path):
+# Saved in the fully reshardable format: the DP-sharded default resumes only on dp layouts.
+DP2 = [*SMALL, "trainer.optimizer_checkpoint_format=fully_reshardable"]
+K = 2  # the steps of the dp2 run
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tmp_path_factory):
+    """K steps of a dp=2 run (name r), finished and checkpointed: the run that
+    test_extending_a_finished_run_continues_it extends on dp=2 and test_a_dp2_run_resumes_on_tp2_and_on_pp2
+    resumes on tp=2 and pp=2 (each on a copy of the run directory)."""
+    out = tmp_path_factory.mktemp("dp2_run")
+    (records,) = run_distributed(train_runs, 2, [(TINY, [*DP2, "name=r", f"trainer.output_dir={out}",
+                                                         f"trainer.steps={K}"])])[0]
+    assert [r["step"] for r in records] == list(range(1, K + 1))
+    return out, records
+
+
+def test_extending_a_finished_run_continues_it(dp2_run, tmp_path):
     """Run K steps, then the same recipe with 2K steps resumes from the K checkpoint."""
-    k = 2
+    import shutil
+
+    finished, short = dp2_run
+    shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
 
     def run(name, steps):
-        return (TINY, [*SMALL, f"name={name}", f"trainer.output_dir={tmp_path}", f"trainer.steps={steps}"])
+        return (TINY, [*DP2, f"name={name}", f"trainer.output_dir={tmp_path}", f"trainer.steps={steps}"])
 
-    whole, short, extended = run_distributed(train_runs, 2, [run("whole", 2 * k), run("ext", k), run("ext", 2 * k)])[0]
-    assert extended[:k] == short
+    whole, extended = run_distributed(train_runs, 2, [run("whole", 2 * K), run("r", 2 * K)])[0]
+    assert extended[:K] == short
     assert [deterministic(r) for r in extended] == [deterministic(r) for r in whole]
 
 
@@ -107,16 +130,32 @@ def test_every_preset_recipe_trains(tmp_path):
         assert ("rollout_corr/rollout_rs_masked_fraction" in records[0]) == name.endswith("rs"), name
 
 
-def test_tp_pp_cp_replicas_train_on_identical_rollouts(tmp_path):
+# One DP replica over 2 ranks; the pp one as test_kl_and_the_step_correction_under_pp_and_cp names it
+LAYOUTS = {"tp": ["parallel.tp=2"], "pp": ["parallel.pp=2", "trainer.micro_batch_size=4"], "cp": ["parallel.cp=2"]}
+KL = ["algorithm.kl_loss.enabled=true", "algorithm.kl_in_reward.enabled=true"]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """The runs of LAYOUTS with the KL loss and the KL-in-reward penalty on, from the same seeds and
+    initial weights: tp2 for 1 step, pp2 and cp2 for 2. Step 1 of each is read by
+    test_tp_pp_cp_replicas_train_on_identical_rollouts, both steps of pp2 and cp2 by
+    test_kl_and_the_step_correction_under_pp_and_cp."""
+    out = tmp_path_factory.mktemp("layouts")
+    steps = {"tp": 1, "pp": 2, "cp": 2}
+    runs = [(TINY, [*SMALL, *KL, f"trainer.steps={steps[name]}", f"name={name}", f"trainer.output_dir={out}", *extra])
+            for name, extra in LAYOUTS.items()]
+    return dict(zip(LAYOUTS, run_distributed(train_runs, 2, runs)[0]))
+
+
+def test_tp_pp_cp_replicas_train_on_identical_rollouts(layout_runs):
     """One DP replica over 2 ranks: the rollout source's batch reaches the other TP / PP / CP rank.
 
     Same seeds and same initial weights under every layout, so step 1 draws the same rollouts:
-    rewards and rollout statistics agree exactly, losses to float rounding.
+    rewards and rollout statistics agree exactly, losses to float rounding (the runs of
+    `layout_runs`: with the KL loss and penalty on, both exactly 0 at step 1).
     """
-    layouts = {"tp": ["parallel.tp=2"], "pp": ["parallel.pp=2"], "cp": ["parallel.cp=2"]}
-    runs = [(TINY, [*SMALL, "trainer.steps=2", f"name={name}", f"trainer.output_dir={tmp_path}", *extra])
-            for name, extra in layouts.items()]
-    tp, pp, cp = run_distributed(train_runs, 2, runs)[0]
+    tp, pp, cp = (layout_runs[name] for name in ("tp", "pp", "cp"))
     for other in (pp, cp):
         first, ref = other[0], tp[0]
         for key in ("reward_mean", "response_length_mean", "rollout_corr/rollout_log_ppl", "batch/valid_response_tokens"):
@@ -125,22 +164,20 @@ def test_tp_pp_cp_replicas_train_on_identical_rollouts(tmp_path):
             assert first[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), key
 
 
-def test_a_dp2_run_resumes_on_tp2_and_on_pp2(tmp_path):
+def test_a_dp2_run_resumes_on_tp2_and_on_pp2(dp2_run, tmp_path):
     """The distributed checkpoint of a dp=2 run continues under tp=2 and pp=2: both resumed runs
     start from step 2's weights and optimizer state and draw the same rollouts at step 3 (seeded
     by step), so their step 3 agrees to float rounding."""
     import shutil
 
-    common = [*SMALL, "name=r", "trainer.steps=2"]
-    # Saved in the fully reshardable format: the DP-sharded default resumes only on dp layouts.
-    run_distributed(train_runs, 2, [(TINY, [*common, f"trainer.output_dir={tmp_path / 'tp'}",
-                                         "trainer.optimizer_checkpoint_format=fully_reshardable"])])
-    shutil.copytree(tmp_path / "tp", tmp_path / "pp")
-    runs = [(TINY, [*common, f"trainer.output_dir={tmp_path / name}", "trainer.steps=3", f"parallel.{name}=2"])
-            for name in ("tp", "pp")]
+    finished, first = dp2_run
+    for name in ("tp", "pp"):
+        shutil.copytree(finished, tmp_path / name)
+    runs = [(TINY, [*DP2, "name=r", f"trainer.output_dir={tmp_path / name}", f"trainer.steps={K + 1}",
+                    f"parallel.{name}=2"]) for name in ("tp", "pp")]
     tp, pp = run_distributed(train_runs, 2, runs)[0]
     assert [r["step"] for r in tp] == [r["step"] for r in pp] == [1, 2, 3]
-    assert tp[:2] == pp[:2]  # steps 1-2 were not re-run
+    assert tp[:2] == pp[:2] == first  # steps 1-2 were not re-run
     for key in ("reward_mean", "response_length_mean", "batch/valid_response_tokens"):
         assert tp[2][key] == pp[2][key], key
     for key in ("loss", "grad_norm", "rollout_corr/k3_kl"):
@@ -225,15 +262,12 @@ def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path):
     assert second["actor/reward_kl_penalty_coeff"] == pytest.approx(0.05 * (1 - 0.2 * 16 / 100), rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", [["parallel.pp=2", "trainer.micro_batch_size=4"], ["parallel.cp=2"]])
-def test_kl_and_the_step_correction_under_pp_and_cp(tmp_path, layout):
+@pytest.mark.parametrize("layout", [LAYOUTS["pp"], LAYOUTS["cp"]])
+def test_kl_and_the_step_correction_under_pp_and_cp(layout_runs, layout):
     """The reference's and pi_old's log-probs exist on the last pipeline stage only, and every
     CP rank computes the step's correction on whole sequences: the step's metrics reach rank 0
-    (the first stage), finite, with step 1's KL exactly 0."""
-    overrides = [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.steps=2", "algorithm.kl_loss.enabled=true",
-                 "algorithm.kl_in_reward.enabled=true", *layout]
-    (records, _) = run_distributed(train_runs, 2, [(TINY, overrides)])
-    records = records[0]
+    (the first stage), finite, with step 1's KL exactly 0 (the runs of `layout_runs`)."""
+    records = layout_runs[next(name for name, extra in LAYOUTS.items() if extra == layout)]
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert all(math.isfinite(v) for v in record.values())
