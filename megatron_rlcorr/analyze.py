@@ -2,7 +2,7 @@
 
 INPUT is a scored rollout file (`megatron-rlcorr score`'s output), a dumps directory
 (`step_<N>.jsonl`, written with `trainer.dump_every`) or a run directory (`dumps/` and
-`metrics.jsonl`). DIR receives summary.json (SPEC 7.1), report.md and PNG plots
+`metrics.jsonl`). DIR receives summary.json (its contract: docs/api.md), report.md and PNG plots
 (megatron_rlcorr/analysis/ says what each holds). The findings are evaluated under the
 `algorithm.rollout_correction` block of RECIPE (overrides: `algorithm.rollout_correction.<field>=v`),
 else of a run directory's own recipe.yaml, else the DAPO block.

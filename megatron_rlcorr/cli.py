@@ -15,7 +15,8 @@ a typo fails in a second, not after a rendezvous), then runs `python -m torch.di
 --standalone --nproc_per_node N -m megatron_rlcorr.<command> ...` and returns its exit code.
 `--nproc` defaults to the recipe's tp*pp*cp, or for a run checkpoint to the world size that wrote it.
 `--verbose` (train, score, eval, export) keeps the known harmless third-party warnings that the
-launched processes otherwise hide (RLCORR_VERBOSE=1; runtime.quiet_known_warnings).
+launched processes otherwise hide (RLCORR_VERBOSE=1; runtime.quiet_known_warnings). An unknown
+command or option exits 2, with a "did you mean" only when a known name is close (config.did_you_mean).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import os
 import subprocess
 import sys
 
-from .config import PRESETS, RolloutCorrectionConfig
+from .config import PRESETS, RolloutCorrectionConfig, did_you_mean
 from .runtime import EXIT_BAD_INPUT, VERBOSE_ENV
 
 
@@ -67,12 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     analyzer = commands.add_parser("analyze", help="the rollout mismatch of a scored file, dumps or a run: statistics, "
                                                    "every preset on the data, findings and plots (analysis/)")
     _entry("analyze").add_arguments(analyzer)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in commands.choices:
+        parser.error(f"unknown command {argv[0]!r}{did_you_mean(argv[0], list(commands.choices))}; commands: "
+                     f"{', '.join(commands.choices)}")
     args, extra = parser.parse_known_args(argv)
     # Overrides may follow options (`score ... parallel.tp=2 --nproc 2 model.bf16=true`): argparse
     # leaves those after an option unparsed.
     stray = [item for item in extra if item.startswith("-") or "=" not in item]
     if stray or (extra and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        options = [o for o in commands.choices[args.command]._option_string_actions if o.startswith("--")]
+        named = [item + (did_you_mean(item.split("=")[0], options) if item.startswith("--") else "")
+                 for item in stray or extra]
+        parser.error(f"unrecognized arguments: {' '.join(named)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
     if args.command == "presets":

@@ -1,4 +1,4 @@
-"""Configuration of the rollout correction (SPEC section 3).
+"""Configuration of the rollout correction (its contract: docs/api.md, `RolloutCorrectionConfig`).
 
 `RolloutCorrectionConfig` keeps verl's field names, so the rollout_correction block of a verl YAML
 loads unchanged (docs/coming-from-verl.md for the rest of a verl config). All validation happens
@@ -39,9 +39,15 @@ _LEGACY_NAMES = {
 _LOSS_TYPES = {"reinforce": True, "ppo_clip": False}
 
 
+# How alike a name and a suggestion must be (difflib's ratio, 2 x matching characters / both lengths):
+# a typo ("stpes" -> "steps" 0.8, "rollout_token_veto" -> "rollout_token_veto_threshold" 0.78) is
+# above it; a name that only shares a prefix ("qwen9" -> "qwen3-8b", 0.62) is not suggested.
+CLOSE_ENOUGH = 0.7
+
+
 def did_you_mean(name: str, choices: Sequence[str]) -> str:
-    """' (did you mean "x"?)' for the closest of `choices`, or '' when nothing is close."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    """' (did you mean "x"?)' for the closest of `choices`, or '' when none is close (CLOSE_ENOUGH)."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=CLOSE_ENOUGH)
     return f' (did you mean "{close[0]}"?)' if close else ""
 
 
@@ -171,7 +177,7 @@ def parse_rejection_rules(rollout_rs: Any, threshold: Any, threshold_lower: floa
 class RolloutCorrectionConfig:
     """Rollout correction settings; `RolloutCorrectionConfig()` is disabled (metrics only).
 
-    Fields (SPEC section 3): rollout_is (None | "token" | "sequence"), rollout_is_threshold (C > 0),
+    Fields (docs/api.md): rollout_is (None | "token" | "sequence"), rollout_is_threshold (C > 0),
     rollout_is_threshold_lower (None: truncate from above only; set: clip to [lower, C]),
     rollout_is_batch_normalize, rollout_rs (None, a ratio level "token" | "sequence" | "geometric",
     or divergence options), rollout_rs_threshold, rollout_rs_threshold_lower (None: 1/upper),

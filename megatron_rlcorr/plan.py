@@ -6,10 +6,11 @@ False)`: layout, batch sizes, sequence lengths, rollout settings; each failure n
 and values that work), then prints the parameter count (total and, for a mixture-of-experts
 model, active per token and the routed experts of the most-loaded GPU), the estimated memory
 per GPU (recipe/memory.py) against the GPU's, and, when it fits, the launch command; `--json` prints the same
-as one object; `--search` lists the layouts that fit, cheapest communication first
-(recipe/layout_search.py). With `rollout.placement: separate` the last rollout.num_ranks ranks of
-the launch only generate: the layout is checked (and searched) over the other ranks, the trainer
-ranks, whose memory holds no engine, and the plan says what a rollout rank holds (the engine).
+as one object, whose `command` and `torchrun` (the launch) are null when the layout does not fit;
+`--search` lists the layouts that fit, cheapest communication first (recipe/layout_search.py).
+With `rollout.placement: separate` the last rollout.num_ranks ranks of the launch only generate:
+the layout is checked (and searched) over the other ranks, the trainer ranks, whose memory holds
+no engine, and the plan says what a rollout rank holds (the engine).
 
 Exit codes: 0 the layout validates and fits, 1 it validates but does not fit (or --search found
 nothing), 2 bad input (the recipe, an override or the layout).
@@ -41,6 +42,7 @@ def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_
     memory = estimate_memory(recipe, trainers, gpu_memory_gib * GiB)
     rollout_ranks = _rollout_ranks(recipe, world, gpu_memory_gib)
     trainer_fits = memory.total <= usable_bytes(gpu_memory_gib)
+    fits = trainer_fits and (rollout_ranks is None or rollout_ranks["fits"])
     p, model = recipe.parallel, recipe.model
     return {
         "recipe": str(path), "overrides": list(overrides), "nodes": nodes, "gpus_per_node": gpus_per_node,
@@ -69,9 +71,10 @@ def plan_report(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_
         "most_loaded_stage": memory.stage,
         "usable_gib": round(usable_bytes(gpu_memory_gib) / GiB, 2),
         "trainer_fits": trainer_fits,
-        "fits": trainer_fits and (rollout_ranks is None or rollout_ranks["fits"]),
-        "command": launch_command(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node),
-        "torchrun": torchrun_command(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node),
+        "fits": fits,
+        # No launch command for a layout that does not fit (the text output prints none either).
+        "command": launch_command(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node) if fits else None,
+        "torchrun": torchrun_command(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node) if fits else None,
     }
 
 

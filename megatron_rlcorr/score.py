@@ -184,7 +184,7 @@ def correction_metrics(records: list[RolloutRecord], log_probs: list[list[float]
                        cfg: RolloutCorrectionConfig) -> dict[str, float] | None:
     """The correction's metrics over every record that has rollout log-probs, in one call (the
     single-process whole-batch semantics); None when no record has them. Rollout log-probs that
-    are not finite or are positive leave the mask first, as in training (SPEC section 6)."""
+    are not finite or are positive leave the mask first, as in training (docs/api.md)."""
     from .correction import compute_rollout_correction
 
     rows = [i for i, r in enumerate(records) if r.rollout_log_probs is not None]

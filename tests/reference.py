@@ -1,12 +1,13 @@
-"""A float64, loop-level reference of the rollout correction (SPEC section 4 and Appendix A).
+"""A float64, loop-level reference of the rollout correction (docs/math.md: the rules and the metrics).
 
-Written from the SPEC alone, for tests: one process, the whole batch, padded `[B, T]` layout
-(tests build packed inputs from padded ones with `padded_to_packed`). It favours
-obviously-correct code over speed: sequences are handled one row at a time and every statistic
-is computed in float64 from the float32 log-ratio `old - rollout` (the SPEC defines lr as that
-float32 difference). It reproduces the seed's golden file (tests/unit/test_reference_vs_golden.py)
-and, where the SPEC asks to do better than the seed: k3_kl uses the clamped log-ratio, k1
-divergence bounds apply to rho = pi_train / pi_rollout (not 1 / rho), the veto applies in every
+Written from the contract alone (docs/api.md, docs/math.md), not from the implementation, for
+tests: one process, the whole batch, padded `[B, T]` layout (tests build packed inputs from padded
+ones with `padded_to_packed`). It favours obviously-correct code over speed: sequences are handled
+one row at a time and every statistic is computed in float64 from the float32 log-ratio
+`old - rollout` (docs/math.md defines lr as that float32 difference). It reproduces the seed's
+golden file (tests/unit/test_reference_vs_golden.py) and, where the contract does better than the
+seed (docs/correction.md, "Choices the contract leaves open"): k3_kl uses the clamped log-ratio,
+k1 divergence bounds apply to rho = pi_train / pi_rollout (not 1 / rho), the veto applies in every
 mode, sequence metrics count non-empty sequences only.
 
 Besides the outputs, the reference records how close every keep/reject decision and every
@@ -121,7 +122,7 @@ def _parse_option(name: str, spec: Any, lower_default: float | None) -> Divergen
 
 
 def parse_config(kwargs: Mapping[str, Any]) -> RefConfig:
-    """Read the math-relevant fields of RolloutCorrectionConfig kwargs (SPEC section 3)."""
+    """Read the math-relevant fields of RolloutCorrectionConfig kwargs (docs/api.md)."""
     options = _split_options(kwargs.get("rollout_rs"))
     rs_lower = _as_float(kwargs.get("rollout_rs_threshold_lower"))
     ratio_rs, rs_upper, divergence = None, None, ()
@@ -368,7 +369,7 @@ def _token_divergence(k: int, c: float) -> float:
 
 def _divergence_option(opt: DivergenceOption, rows: list[_Row], metrics: dict[str, float],
                        cmp: _Comparisons) -> list[list[bool]]:
-    """One divergence RS option (SPEC 4.4): its keep decisions and its metric family."""
+    """One divergence RS option (docs/math.md): its keep decisions and its metric family."""
     pre = f"rollout_rs_{opt.name}_"
     log_lo = math.log(opt.lower) if opt.k == 1 else None
     log_hi = math.log(opt.upper) if opt.k == 1 else None
@@ -418,7 +419,7 @@ def _divergence_option(opt: DivergenceOption, rows: list[_Row], metrics: dict[st
 
 def reference_correction(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
                          config: Mapping[str, Any] | RefConfig) -> RefResult:
-    """SPEC section 4 on one padded batch: IS weights, modified mask and every metric."""
+    """docs/math.md on one padded batch: IS weights, modified mask and every metric."""
     cfg = config if isinstance(config, RefConfig) else parse_config(config)
     shape = old.shape
     rows = _rows(old, rollout, mask)
@@ -469,7 +470,7 @@ EPS32 = float(torch.finfo(torch.float32).eps)
 
 
 def std_upper_mark(name: str, cfg: RefConfig) -> float:
-    """The `hi` of SPEC Appendix A's std tolerance for a `*_std` metric."""
+    """The `hi` of the std tolerance (`std_close`) for a `*_std` metric."""
     if "rollout_is_" in name:
         return cfg.is_upper
     if cfg.rs_upper is not None:
@@ -478,7 +479,7 @@ def std_upper_mark(name: str, cfg: RefConfig) -> float:
 
 
 def std_close(ours: float, expected: float, hi: float) -> bool:
-    """SPEC Appendix A: compare `*_std` values as variances."""
+    """Compare `*_std` values as variances: the golden files' one-pass float32 std carries ~sqrt(8 eps32) hi noise."""
     return abs(ours ** 2 - expected ** 2) <= 2e-4 * expected ** 2 + 8 * EPS32 * hi ** 2
 
 
@@ -511,7 +512,7 @@ def compare_metrics(got: Mapping[str, Any], expected: Mapping[str, float], cfg: 
                     rtol: float = 1e-4, std_as_variance: bool = False) -> list[str]:
     """Human-readable list of metric disagreements (missing keys included).
 
-    `std_as_variance`: compare `*_std` (not `*_seq_std`) as SPEC Appendix A prescribes for the
+    `std_as_variance`: compare `*_std` (not `*_seq_std`) as variances (`std_close`) for the
     golden files, whose one-pass float32 std is noisy when the values sit near 1.
     """
     problems = []

@@ -208,7 +208,7 @@ def check_agreement(old, rollout, mask, cfg):
     for name, value in metrics.items():
         got = ours.metrics["rollout_corr/" + name].item()
         if name.endswith("_std") and not name.endswith("seq_std"):
-            # The baseline's one-pass float32 variance carries ~sqrt(8 eps32) noise (SPEC App. A).
+            # The baseline's one-pass float32 variance carries ~sqrt(8 eps32) noise (docs/correction.md).
             assert abs(got * got - value * value) <= 2e-4 * value * value + 1e-5, (name, got, value)
         else:
             assert math.isclose(got, value, rel_tol=1e-3, abs_tol=1e-4), (name, got, value)

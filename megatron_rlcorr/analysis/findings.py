@@ -83,7 +83,7 @@ class Finding:
     expected: dict[str, float] = field(default_factory=dict)  # what the correction gives with them, this data
 
     def to_dict(self) -> dict[str, Any]:
-        """The `summary.json` entry: exactly {check, value, threshold, recommendation} (SPEC 7.1)."""
+        """The `summary.json` entry: exactly {check, value, threshold, recommendation} (docs/api.md)."""
         return {"check": self.check, "value": self.value, "threshold": self.threshold,
                 "recommendation": self.recommendation}
 

@@ -16,7 +16,7 @@ Conventions:
   step without a training batch: every group filtered out) is skipped.
 - `old` is the trainer's log-prob (pi_old, the `log_probs` field), `rollout` the engine's.
 - A token whose log-prob, in either list, is not finite or is positive is left out of every
-  statistic (masked), as the trainer masks it before the correction (SPEC section 6); their
+  statistic (masked), as the trainer masks it before the correction (docs/api.md); their
   number is `Batch.invalid_tokens`. A bad record (missing field, wrong length) is an error naming
   the file, the line, the field and the fix.
 """
@@ -40,7 +40,7 @@ INPUT_KINDS = ("a scored rollout file (JSONL), a dumps directory (step_<N>.jsonl
 
 @dataclass
 class Batch:
-    """The sequences of the input, packed: token tensors [N], `cu_seqlens` [S+1] (SPEC section 2)."""
+    """The sequences of the input, packed: token tensors [N], `cu_seqlens` [S+1] (the packed layout of docs/api.md)."""
 
     old_log_prob: torch.Tensor        # float64 [N], the trainer's; 0.0 where masked
     rollout_log_prob: torch.Tensor    # float64 [N], the engine's; 0.0 where masked

@@ -13,10 +13,10 @@ passes them. From its result (`Evaluation`):
   gives (after truncation and batch normalisation; 1 on every kept token without IS);
 - ess: the effective sample size of those weights as a fraction of the kept tokens,
   (sum w)^2 / (n sum w^2); 1 without IS, 0 when nothing is kept;
-- unit_mean: the mean of its weights in the unit batch normalisation makes 1 (SPEC 4.2): per
+- unit_mean: the mean of its weights in the unit batch normalisation makes 1 (docs/math.md): per
   sequence for sequence IS (each non-empty sequence once), per valid token for token IS, before
-  rejection (rejection does not zero weights, SPEC 4.1); 1 without IS;
-- metrics: every correction metric (SPEC 4.6), without the `rollout_corr/` prefix.
+  rejection (rejection does not zero weights, docs/math.md); 1 without IS;
+- metrics: every correction metric (docs/math.md, "The metrics"), without the `rollout_corr/` prefix.
 Bypass presets are evaluated alike: in bypass mode the trainer corrects inside the loss, current
 policy against the rollout, and on this data (the trainer's log-probs before any update) that is
 the same comparison.

@@ -4,7 +4,8 @@ write summary.json, report.md and the plots.
 Why here: the entry module (`megatron_rlcorr/analyze.py`) only parses arguments and maps errors
 to exit codes; tests and notebooks call `analyze` and `write_outputs` directly.
 
-summary.json (SPEC 7.1; keys beyond the contract are additions, never renames):
+summary.json (docs/api.md gives the contract, `presets` and `findings`; the other keys are additions,
+never renames):
 - `input` {path, kind, files, steps}, `num_sequences` (all records), `num_tokens` (valid tokens);
 - `statistics`: statistics.mismatch_statistics;
 - `presets`: every preset of config.PRESETS by name -> presets.Evaluation.numbers();

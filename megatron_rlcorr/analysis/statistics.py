@@ -3,12 +3,12 @@
 Why: before choosing thresholds one wants to see how far the engine is from the trainer, and in
 what shape: a small shift of every token (a precision mismatch), a few catastrophic tokens (a
 sampling bug), or a drift that grows with the response length. The divergences (KL k1 and k3,
-log-perplexity difference, chi-square) are the correction's own off-policy metrics (SPEC 4.6,
+log-perplexity difference, chi-square) are the correction's own off-policy metrics (docs/math.md,
 from the `disabled` preset, so exactly what the trainer logs as `rollout_corr/...`); the
 quantiles are computed here.
 
 Conventions: log_ratio = old - rollout (trainer minus engine), float64, masked tokens excluded.
-The three ratios are those of the IS/RS levels (SPEC 4.1, 4.3): token exp(lr_t), sequence
+The three ratios are those of the IS/RS levels (docs/math.md): token exp(lr_t), sequence
 exp(S_i) with S_i the sum of a sequence's log-ratios, geometric exp(S_i / n_i); like the
 correction, the exponent is clamped to [-20, 20] first. Sequence statistics count non-empty
 sequences only. Quantiles use linear interpolation between order statistics (torch.quantile's
@@ -23,12 +23,12 @@ import torch
 
 from .inputs import Batch
 
-LOG_RATIO_BOUND = 20.0     # the correction's clamp of a log-ratio before exp (SPEC 4.1)
+LOG_RATIO_BOUND = 20.0     # the correction's clamp of a log-ratio before exp (docs/math.md)
 QUANTILES: tuple[tuple[str, float], ...] = (
     ("min", 0.0), ("p1", 0.01), ("p5", 0.05), ("p25", 0.25), ("p50", 0.5),
     ("p75", 0.75), ("p95", 0.95), ("p99", 0.99), ("max", 1.0),
 )
-# The correction's off-policy metrics reported under `statistics` (names as SPEC 4.6, unprefixed).
+# The correction's off-policy metrics reported under `statistics` (names as in docs/math.md, unprefixed).
 DIVERGENCES = ("kl", "k3_kl", "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min",
                "ppl_ratio", "chi2_token", "chi2_seq", "training_ppl", "rollout_ppl")
 

@@ -20,7 +20,7 @@ import torch
 from .reduce import Partials
 from .segments import Segments
 
-LOG_RATIO_BOUND = 20.0  # clamp20 of SPEC section 4: exp stays finite in float32
+LOG_RATIO_BOUND = 20.0  # clamp20 of docs/math.md: exp stays finite in float32
 
 
 # Adding -MASK_OFFSET at masked positions pushes them out of any row maximum of a finite

@@ -1,4 +1,4 @@
-"""`compute_rollout_correction`: the public entry point of the correction (SPEC section 7)."""
+"""`compute_rollout_correction`: the public entry point of the correction (its contract: docs/api.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""Off-policy diagnostics, reported whenever rollout log-probs are present (SPEC 4.6).
+"""Off-policy diagnostics, reported whenever rollout log-probs are present (docs/math.md, "The metrics").
 
 kl, k3_kl, chi2_token are token means over the batch; the perplexities, log_ppl_diff family,
 ppl_ratio and chi2_seq are means over non-empty sequences.

@@ -1,4 +1,4 @@
-"""The ratio metric family of SPEC Appendix A, shared by IS weights and ratio rejection sampling.
+"""The ratio metric family (docs/math.md, "The metrics"), shared by IS weights and ratio rejection sampling.
 
 For a ratio v (the IS weight before truncation, or the RS statistic r) with marks hi/lo:
 token level uses v_t = exp(clamp20(lr_t)); sequence levels use v_i = exp(clamp20(L_i)) with L_i

@@ -1,4 +1,4 @@
-"""Rejection sampling (ratio levels and divergence options, SPEC 4.3-4.4) and the veto (4.5).
+"""Rejection sampling (ratio levels and divergence options) and the veto: docs/math.md states each rule.
 
 Token rules decide locally. Sequence rules decide from whole-sequence statistics after the CP
 reduction, so every CP rank holding part of a sequence makes the identical decision.
@@ -135,7 +135,7 @@ class Rejection:
 
 
 class DivergenceMetrics:
-    """Per-option metrics `rollout_rs_<option>_*` of a divergence rule (SPEC Appendix A).
+    """Per-option metrics `rollout_rs_<option>_*` of a divergence rule (docs/correction.md).
 
     The statistic is the option's value (k1: -log rho). Token options average over tokens;
     sequence options report token-weighted mean/std, sequence-counted fractions and `seq_*`

@@ -1,4 +1,4 @@
-"""Importance-sampling weights: token or sequence level, truncation, batch normalisation (SPEC 4.1-4.2)."""
+"""Importance-sampling weights: token or sequence level, truncation, batch normalisation (docs/math.md)."""
 from __future__ import annotations
 
 import torch
@@ -17,7 +17,7 @@ class ImportanceWeights:
         self.lower = cfg.rollout_is_threshold_lower  # None: truncate from above only
         self.batch_normalize = cfg.rollout_is_batch_normalize
         level = "token" if self.level == "token" else "seq_sum"
-        # IS metrics describe the weights before truncation (SPEC 4.1).
+        # IS metrics describe the weights before truncation (docs/math.md, "The metrics").
         self.family = RatioMetrics("rollout_is_", level, cfg.rollout_is_threshold, cfg.is_threshold_low_mark)
 
     def _truncate(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

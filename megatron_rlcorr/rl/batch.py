@@ -4,7 +4,7 @@
 Layout (right padding with PAD = 0): row i holds prompt_i + response_i; position t predicts
 tokens[t + 1] (`targets_BT`), so the response occupies positions [len(prompt) - 1, len(seq) - 2].
 Rollout log-probs that are non-finite or positive (a rollout engine's bug or overflow) are taken
-out of the response mask before anything else sees them (SPEC section 6); their count is
+out of the response mask before anything else sees them (docs/api.md); their count is
 returned so the trainer can report `rollout_corr/invalid_rollout_token_fraction`.
 """
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 What: every tracker gets `log(step, values)` with the same flat {name: float} record that
 `runs/<name>/metrics.jsonl` receives (validation included), `log_config(config)` once when it opens
-(the resolved recipe), and `close(failed)`. Only rank 0 opens trackers (`MetricsLogger`).
+(the resolved recipe), and `close(failed)`. Only rank 0 opens trackers (`MetricsLogger`); as it
+opens each, it prints one line saying where the tracker writes (`location()`: TensorBoard's log
+directory; wandb's run id, mode and run directory, with the URL online or the `wandb sync` command
+offline; MLflow's run id, experiment and tracking URI).
 
 Why this shape: the loop converts its metrics to floats once per step (progress.py) and hands the
 same dict to each tracker, so a tracker shows exactly the numbers of metrics.jsonl at the same steps.
@@ -76,6 +79,9 @@ class Tracker(Protocol):
     def state(self) -> dict:
         """What a resumed run needs to reopen this tracker's run (saved in trackers.json)."""
 
+    def location(self) -> str:
+        """One line: where this tracker writes (printed once when it opens)."""
+
     def log_config(self, config: Mapping[str, Any], *, resume_step: int) -> None: ...
 
     def log(self, step: int, values: Mapping[str, float]) -> None: ...
@@ -106,6 +112,7 @@ def open_trackers(names: Sequence[str], run_dir: Path, *, project: str, experime
         if tracker is None:
             continue
         tracker.log_config(config, resume_step=resume_step)
+        print(tracker.location(), flush=True)
         trackers.append(tracker)
     # A resumed run keeps the ids of trackers it does not use this time (a later launch may again).
     _write_state(run_dir, {**previous, **{t.name: t.state() for t in trackers}})
@@ -211,6 +218,9 @@ class TensorBoardTracker:
     def state(self) -> dict:
         return {"log_dir": str(self.log_dir)}
 
+    def location(self) -> str:
+        return f"tensorboard: events in {self.log_dir} (`tensorboard --logdir {self.log_dir}` shows them)"
+
     def log_config(self, config: Mapping[str, Any], *, resume_step: int) -> None:
         if not resume_step:
             self.writer.add_text("recipe", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", 0)
@@ -243,6 +253,13 @@ class WandbTracker:
 
     def state(self) -> dict:
         return {"id": self.run.id, "project": self.run.project, "name": self.run.name}
+
+    def location(self) -> str:
+        mode, run_dir = self.run.settings.mode, self.run.settings.sync_dir
+        line = f"wandb: run {self.run.id} ({self.run.name}) of project {self.run.project}, mode {mode}, in {run_dir}"
+        if mode == "offline":
+            return f"{line} (`wandb sync {run_dir}` uploads it)"
+        return f"{line}, {self.run.url}" if self.run.url else line
 
     def log_config(self, config: Mapping[str, Any], *, resume_step: int) -> None:
         self.run.config.update(dict(config), allow_val_change=True)
@@ -290,6 +307,14 @@ class MlflowTracker:
 
     def state(self) -> dict:
         return {"run_id": self.run_id, "tracking_uri": self.tracking_uri}
+
+    def location(self) -> str:
+        run = self.client.get_run(self.run_id)
+        experiment = self.client.get_experiment(run.info.experiment_id).name
+        line = f"mlflow: run {self.run_id} ({run.info.run_name}) of experiment {experiment} at {self.tracking_uri}"
+        if self.tracking_uri.startswith("file:"):
+            line += f" (`mlflow ui --backend-store-uri {self.tracking_uri}` shows it)"
+        return line
 
     def log_config(self, config: Mapping[str, Any], *, resume_step: int) -> None:
         from mlflow.entities import Param, RunTag

@@ -1,8 +1,8 @@
 """compute_rollout_correction sharded over CP x DP (gloo) == one process on the whole batch.
 
-SPEC section 5: each rank's weights and mask equal the matching slice of the single-process
-result (weights rtol 1e-5, masks identical); metrics are identical on every rank and equal the
-single-process metrics within rtol 1e-4. Only all_reduce on the CP and DP groups is used (never
+The parallel contract (docs/api.md, "Parallel layouts"): each rank's weights and mask equal the
+matching slice of the single-process result (weights rtol 1e-5, masks identical); metrics are
+identical on every rank and equal the single-process metrics within rtol 1e-4. Only all_reduce on the CP and DP groups is used (never
 WORLD), and its payload does not change when a rank holds 200 more (masked) tokens.
 
 Layouts (cp, dp): (2, 1), (1, 2) on 2 ranks; (2, 2) on 4; (4, 2), (2, 4) on 8. Rank =
@@ -240,7 +240,7 @@ def _check(job, per_rank) -> list[str]:
 
 
 def _collective_problems(layout, rank: int, got) -> list[str]:
-    """SPEC 5: all_reduce only, on the CP and DP groups (never WORLD), at most one SUM and one MAX
+    """The parallel contract: all_reduce only, on the CP and DP groups (never WORLD), at most one SUM and one MAX
     per group, with a payload that does not grow with the number of tokens."""
     cp, dp = layout
     cp_ranks = tuple((rank // cp) * cp + c for c in range(cp))

@@ -1,4 +1,4 @@
-"""`megatron-rlcorr analyze`: the summary.json contract (SPEC 7.1) on a scored file, no findings on
+"""`megatron-rlcorr analyze`: the summary.json contract (docs/api.md) on a scored file, no findings on
 clean data, findings with recommendations that fix what they claim on injected mismatch, the
 block they are judged under (--config, overrides), dumps and run directories (kl_rising from the
 dumps and from metrics.jsonl), bad input (exit 2 with the fix named), and the plots (drawn and

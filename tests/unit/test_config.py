@@ -1,4 +1,4 @@
-"""RolloutCorrectionConfig against SPEC section 3: defaults, presets, legacy names, loading,
+"""RolloutCorrectionConfig against its contract (docs/api.md): defaults, presets, legacy names, loading,
 validation. Equivalent spellings of the same options are checked on outputs in
 test_correction_reference.py (the stored representation is the implementation's business)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from megatron_rlcorr.config import RolloutCorrectionConfig
+from megatron_rlcorr.config import RolloutCorrectionConfig, did_you_mean
 
 DEFAULTS = dict(rollout_is=None, rollout_is_threshold=2.0, rollout_is_threshold_lower=None,
                 rollout_is_batch_normalize=False, rollout_rs=None, rollout_rs_threshold=None,
@@ -102,7 +102,7 @@ def _normalise(fields: dict) -> dict:
     ("loss_type", "ppo_clip", "use_policy_gradient", False),
 ])
 def test_legacy_names_warn_and_map(legacy, value, field, expected):
-    # the policy-gradient loss requires bypass mode (SPEC section 3)
+    # the policy-gradient loss requires bypass mode (docs/api.md)
     bypass = {} if field == "bypass_mode" else {"bypass_mode": True}
     with pytest.warns(DeprecationWarning, match=legacy):
         cfg = RolloutCorrectionConfig(**{legacy: value}, **bypass)
@@ -236,6 +236,23 @@ def test_unknown_key_suggests_close_name(typo, close):
     with pytest.raises(ValueError, match="(?i)did you mean") as info:
         RolloutCorrectionConfig.from_yaml(f"algorithm:\n  rollout_correction:\n    {typo}: 1.0\n")
     assert close in str(info.value)
+
+
+def test_unknown_key_with_nothing_close_gets_no_suggestion():
+    with pytest.raises(ValueError, match=r"unknown rollout correction key 'clip_ratio'; allowed keys: rollout_is, "):
+        RolloutCorrectionConfig.from_dict({"clip_ratio": 0.2})
+
+
+@pytest.mark.parametrize("name, choices, suggested", [
+    ("stpes", ["steps", "seed", "save_every"], "steps"),
+    ("rollout_token_veto", ["rollout_token_veto_threshold", "rollout_is"], "rollout_token_veto_threshold"),
+    ("trian", ["train", "score", "eval", "export"], "train"),
+    ("qwen9", ["qwen2.5-7b", "qwen3-8b", "qwen3-32b", "llama-3.1-8b"], None),  # only the prefix is shared
+    ("learning_rate", ["lr", "clip_grad", "weight_decay"], None),
+    ("zzzz", ["steps"], None),
+])
+def test_did_you_mean_names_only_a_close_name(name, choices, suggested):
+    assert did_you_mean(name, choices) == (f' (did you mean "{suggested}"?)' if suggested else "")
 
 
 # ---- validation ------------------------------------------------------------------------------

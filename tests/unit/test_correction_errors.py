@@ -1,4 +1,5 @@
-"""Input validation (SPEC section 6, check_inputs=True) and the edge cases of SPEC 4.7."""
+"""Input validation (check_inputs=True, docs/api.md) and the edge cases (docs/correction.md: empty batches, empty
+sequences, trailing padding)."""
 from __future__ import annotations
 
 import math
@@ -58,7 +59,7 @@ def test_integer_log_probs_rejected():
 
 
 def test_log_prob_dtype_mismatch_is_fine_or_named():
-    """Mixed float dtypes are all 'any float dtype' (SPEC 2): either accepted or named."""
+    """Mixed float dtypes are all 'any float dtype' (docs/api.md): either accepted or named."""
     old, rollout, mask = _inputs()
     try:
         out = compute_rollout_correction(old.bfloat16(), rollout, mask, CFG)
@@ -178,7 +179,7 @@ def test_bool_and_float_masks_agree():
         torch.testing.assert_close(a.metrics[key], b.metrics[key], rtol=0, atol=0)
 
 
-# ---- edge cases (SPEC 4.7) ---------------------------------------------------------------------
+# ---- edge cases (docs/correction.md) -------------------------------------------------------------
 
 def _assert_finite(out):
     for name, value in out.metrics.items():

@@ -1,4 +1,4 @@
-"""compute_rollout_correction vs the float64 reference on random batches (SPEC sections 4, 7).
+"""compute_rollout_correction vs the float64 reference on random batches (docs/math.md, docs/api.md).
 
 Heavy-tailed log-ratios, catastrophic tokens, empty rows, interior mask holes, NaN/inf/1e4
 garbage at masked positions, float32/bf16/fp16 inputs, bool/float masks, padded and packed
@@ -111,7 +111,7 @@ def assert_matches_reference(out, ref: RefResult, kwargs: dict, input_mask: torc
     problems = compare_metrics(out.metrics, ref.metrics, parse_config(kwargs))
     assert not problems, "\n".join(problems)
     extra = sorted(set(out.metrics) - set(ref.metrics))
-    assert not extra, f"metrics the SPEC does not define for this config: {extra}"
+    assert not extra, f"metrics docs/math.md does not define for this config: {extra}"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -198,7 +198,7 @@ def test_equivalent_divergence_forms():
         assert_matches_reference(out, ref, forms[0], batch.mask)
 
 
-# ---- explicit cases for the places where the SPEC asks to do better than the seed ----------
+# ---- explicit cases for the places where the contract does better than the seed ------------
 
 def _two_rows(lr_rows, rollout=-2.0):
     lr = torch.tensor(lr_rows, dtype=torch.float32)

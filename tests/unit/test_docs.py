@@ -541,15 +541,39 @@ def test_the_docs_have_commands_of_both_kinds():
     assert DocCommand("x", "plan", "exits 1: does not fit").expected_exit == 1
 
 
+_PLAN_HEADER = re.compile(r"plan: (\S+) on (\d+) x (\d+) GPUs \(([\d.]+) GiB each\)\n")
+_MEMORY_ROW = re.compile(r"^  (weights|gradients|optimizer|activations|logits|rollout) +([\d.]+)$", re.M)
+
+
+def _quoted_plans() -> list[tuple[str, str]]:
+    """(page, block) for every ```text block of README.md and docs/*.md that quotes plan's output."""
+    return [(str(page.relative_to(ROOT)), block) for page in _pages()
+            for block in re.findall(r"^```text\n(.*?)^```", page.read_text(), re.S | re.M)
+            if "(GiB, estimate)" in block]
+
+
 def test_quoted_plan_output_is_the_current_output(capsys, monkeypatch):
-    """docs/scaling.md quotes plan's output for the 7B recipe: it must be what plan prints."""
+    """Every plan output the pages quote is what `plan` prints now, whole: from its `plan:` line (which
+    names the recipe and the cluster, so the test reruns it) to its last line. So a sample whose total
+    is not the sum of its memory rows carries the line of plan's output that says why."""
     from megatron_rlcorr.cli import main
 
-    text = (DOCS / "scaling.md").read_text()
-    quoted = re.search(r"```text\n(plan: recipes/dapo_qwen2\.5_7b_rollout_corr\.yaml.*?)```", text, re.S).group(1)
+    quoted = _quoted_plans()
+    recipes = {_PLAN_HEADER.match(block).group(1) for _, block in quoted if _PLAN_HEADER.match(block)}
+    assert {"recipes/dapo_qwen2.5_7b_rollout_corr.yaml", "recipes/dapo_qwen2.5_32b_rollout_corr.yaml",
+            "recipes/dapo_qwen3_30b_a3b_rollout_corr.yaml"} <= recipes
     monkeypatch.chdir(ROOT)
-    assert main(["plan", "recipes/dapo_qwen2.5_7b_rollout_corr.yaml", "--nodes", "1", "--gpus-per-node", "8"]) == 0
-    assert capsys.readouterr().out == quoted
+    for page, block in quoted:
+        header = _PLAN_HEADER.match(block)
+        assert header, f"{page}: a quoted plan must be plan's whole output, from its `plan:` line: {block[:80]!r}"
+        recipe, nodes, gpus, gib = header.groups()
+        command = ["plan", recipe, "--nodes", nodes, "--gpus-per-node", gpus, "--gpu-memory-gib", gib]
+        assert main(command) in (0, 1), command
+        assert block == capsys.readouterr().out, (
+            f"{page}: the quoted output of `megatron-rlcorr {' '.join(command)}` is stale: paste what it prints now")
+        rows = sum(float(value) for _, value in _MEMORY_ROW.findall(block))
+        total = float(re.search(r"^  total +([\d.]+) ", block, re.M).group(1))
+        assert abs(rows - total) < 0.02 or "  (total = " in block or "total = weights" in block, page
 
 
 def _anchors(markdown: str) -> set[str]:

@@ -1,7 +1,7 @@
-"""compute_rollout_correction reproduces the seed's golden outputs (SPEC 4.6, Appendix A).
+"""compute_rollout_correction reproduces the seed's golden outputs (the metrics of docs/math.md).
 
 Weights within rtol 1e-5, masks identical, every stored metric within rtol 1e-4 (`*_std` as
-variances, SPEC Appendix A), and the API returns every metric key the seed returned.
+variances, tests/reference.py: std_close), and the API returns every metric key the seed returned.
 """
 import pytest
 import torch

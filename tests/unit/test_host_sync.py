@@ -1,5 +1,5 @@
-"""SPEC section 6: no device-to-host synchronisation with check_inputs=False, at most one with
-the default check_inputs=True.
+"""The call's host-sync contract (docs/api.md): no device-to-host synchronisation with
+check_inputs=False, at most one with the default check_inputs=True.
 
 On CPU a sync cannot be observed directly, so the test counts the calls that cause one on a GPU:
 `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `bool/float/int(tensor)`, `tensor.__index__`, and

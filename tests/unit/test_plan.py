@@ -133,6 +133,17 @@ def test_a_layout_that_does_not_fit_exits_1(capsys):
     assert "launch: none printed, as this layout does not fit" in out
 
 
+def test_json_of_a_layout_that_does_not_fit_carries_no_launch_command(capsys):
+    """--json agrees with the text: no launch command (null) beside "fits": false, one where it fits."""
+    assert main(["plan", str(R32), "--nodes", "16", "--gpus-per-node", "8", "--json", "parallel.pp=1"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] is False and report["trainer_fits"] is False
+    assert report["command"] is None and report["torchrun"] is None
+    assert main(["plan", str(R32), "--nodes", "16", "--gpus-per-node", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] is True and "tools/launch.sh" in report["command"] and "--nnodes=16" in report["torchrun"]
+
+
 def test_search_names_divisibility_when_no_layout_validates(capsys):
     # 500 prompts: every data-parallel size of 128 ranks (a power of two > 2) leaves a remainder
     assert main(["plan", str(R32), "--nodes", "16", "--gpus-per-node", "8", "--search",

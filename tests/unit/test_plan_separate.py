@@ -70,6 +70,7 @@ def test_fits_needs_the_rollout_rank_to_fit_too():
     report = plan_report(R7, [*SEPARATE, "rollout.gpu_memory_utilization=0.95"], nodes=2, gpus_per_node=8)
     assert report["memory_gib_per_gpu"]["total"] <= report["usable_gib"]
     assert report["trainer_fits"] and not report["rollout_ranks"]["fits"] and not report["fits"]
+    assert report["command"] is None and report["torchrun"] is None  # no launch for a layout that does not fit
 
 
 def test_printed_plan(capsys):

@@ -255,28 +255,42 @@ def test_the_install_section_lists_every_extra_of_setup_py():
 
 
 def test_the_readme_names_every_recipe_and_architecture_preset():
+    """Each recipe of recipes/ (the MoE, asynchronous and cluster ones included) is named, as a whole
+    name in backquotes, in the README's recipe table and in docs/scaling.md's ladder; each preset of
+    model.architecture (the mixtures of experts included) in the README's model list and
+    docs/scaling.md's "Architectures", and each mixture-of-experts preset in docs/moe.md. A new
+    recipe or preset that a list leaves out fails here."""
     from megatron_rlcorr.model.presets import ARCHITECTURES
 
     readme = (ROOT / "README.md").read_text()
     ladder = _section(DOCS / "scaling.md", "## The ladder")
     recipes = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
     assert len(recipes) >= 17
+    assert {"tiny_cpu_async", "tiny_hf_moe_cpu", "dapo_qwen3_30b_a3b_rollout_corr",
+            "dapo_qwen2.5_32b_rollout_corr"} <= set(recipes)
     assert [r for r in recipes if f"`{r}.yaml`" not in _section(ROOT / "README.md", "## Recipes")] == []
-    assert [r for r in recipes if r not in ladder] == []
-    assert "qwen3-30b-a3b" in ARCHITECTURES and "qwen3-235b-a22b" in ARCHITECTURES
+    assert [r for r in recipes if f"`recipes/{r}.yaml`" not in ladder and f"`{r}`" not in ladder] == []
+    moe = [name for name, config in ARCHITECTURES.items() if config.get("num_experts")]
+    assert {"qwen3-30b-a3b", "qwen3-235b-a22b"} <= set(moe)
     for page, text in (("README.md", readme), ("docs/scaling.md", _section(DOCS / "scaling.md", "## Architectures"))):
         missing = [name for name in ARCHITECTURES
                    if f"`{name}`" not in text
                    and not (name.endswith("-instruct") and f"`{name.removesuffix('-instruct')}`" in text
                             and "`-instruct`" in text)]
         assert not missing, (page, missing)
+    assert [name for name in moe if f"`{name}`" not in (DOCS / "moe.md").read_text()] == []
 
 
-def test_the_readme_and_the_api_page_cite_nothing_outside_the_repository():
-    """The correction's contract is described in docs/api.md, not cited from a SPEC the repository
-    does not hold."""
-    for path in (ROOT / "README.md", DOCS / "api.md"):
-        assert "SPEC" not in path.read_text(), path
+def test_nothing_cites_a_document_outside_the_repository():
+    """The correction's contract is described in docs/api.md and docs/math.md, not cited from a SPEC
+    the repository does not hold: no page, module, tool, test or recipe names it."""
+    sources = [ROOT / "README.md", *DOCS.rglob("*.md"), *ROOT.glob("setup.py")]
+    for folder in ("megatron_rlcorr", "tools", "tests", "examples", "recipes", ".ci"):
+        sources += [p for p in (ROOT / folder).rglob("*")
+                    if p.is_file() and p.suffix in (".py", ".sh", ".md", ".yaml", "")]
+    citing = [str(p.relative_to(ROOT)) for p in sources
+              if p != Path(__file__).resolve() and re.search(r"\bSPEC\b", p.read_text(errors="replace"))]
+    assert len(sources) > 100 and citing == [], f"cite docs/api.md or docs/math.md instead: {citing}"
     assert "](docs/api.md)" in (ROOT / "README.md").read_text()
 
 

@@ -106,6 +106,21 @@ def test_bad_recipe_stops_before_any_process_group(overrides, message, monkeypat
     assert message in err and err.startswith(f"error: recipe {TINY}")
 
 
+@pytest.mark.parametrize("override, message", [
+    ("trainer.stpes=3", 'unknown key trainer.stpes (did you mean "steps"?); allowed: steps, '),
+    ("trainer.zzzzqq=3", "unknown key trainer.zzzzqq; allowed: steps, "),
+    ("trainr.steps=3", "unknown recipe section 'trainr' (did you mean \"trainer\"?); allowed: name, model, "),
+    ("zzqq.a=3", "unknown recipe section 'zzqq'; allowed: name, model, "),
+    ("model.architecture=qwen3-8", "unknown architecture 'qwen3-8' (did you mean \"qwen3-8b\"?); presets: "),
+    ("model.architecture=qwen9", "unknown architecture 'qwen9'; presets: "),
+])
+def test_unknown_names_get_a_suggestion_only_when_one_is_close(override, message):
+    with pytest.raises(ValueError) as err:
+        load_recipe(TINY, [override])
+    assert message in str(err.value)
+    assert ("did you mean" in str(err.value)) is ("did you mean" in message)
+
+
 def test_bad_recipe_under_torchrun_exits_nonzero_on_every_rank(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(

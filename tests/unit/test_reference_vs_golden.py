@@ -1,6 +1,6 @@
 """The test reference (tests/reference.py) reproduces the seed's golden outputs.
 
-If this fails, the reference -- not the implementation -- misreads the SPEC.
+If this fails, the reference -- not the implementation -- misreads the contract (docs/math.md).
 """
 import pytest
 import torch

@@ -1,7 +1,9 @@
 """trainer.logger's trackers (rl/trackers.py): MLflow's name mapping and params, the refusal of a
-tracker whose package is missing, the console switch, and an MLflow run that a resume reopens."""
+tracker whose package is missing, the console switch, an MLflow run that a resume reopens, and the
+line each tracker prints when it opens (where it writes)."""
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -9,7 +11,7 @@ from megatron_rlcorr.recipe import load_recipe
 from megatron_rlcorr.rl.progress import MetricsLogger
 from megatron_rlcorr.rl.settings import TrainerSettings
 from megatron_rlcorr.rl.trackers import (MLFLOW_MAX_NAME, MLFLOW_MAX_PARAM_VALUE, NameMap, flatten_config,
-                                         mlflow_name)
+                                         mlflow_name, open_trackers)
 
 from tests.unit.test_docs import ROOT
 
@@ -161,3 +163,69 @@ def test_the_console_line_shows_a_validations_headline(tmp_path):
                                    "val-core/math_dapo/acc/best@8/mean": 0.74, "val-aux/math_dapo/reward/mean@8": -0.4,
                                    "timing/val_s": 1.5})
     assert line.endswith("step 0/150 math_dapo/acc/mean@8=0.2625 math_dapo/acc/pass@8=0.85")
+
+
+def _restore_environ(before: dict) -> None:
+    """wandb and MLflow set process-wide variables (wandb's service, MLflow's file-store opt-in)."""
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update(before)
+
+
+def test_each_tracker_says_once_where_it_writes(tmp_path, monkeypatch, capsys):
+    """open_trackers prints one line per tracker: TensorBoard's log directory, wandb's run id, mode and
+    run directory (offline here, with the command that uploads it), MLflow's run id, experiment and
+    tracking URI (the file store in the run directory when MLFLOW_TRACKING_URI is unset)."""
+    for module in ("tensorboard", "wandb", "mlflow"):
+        pytest.importorskip(module)
+    import wandb
+
+    before = dict(os.environ)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    try:
+        trackers = open_trackers(["console", "tensorboard", "wandb", "mlflow"], tmp_path, project="proj",
+                                 experiment="exp", config={"name": "r"}, resume_step=0)
+        printed = capsys.readouterr().out.splitlines()
+        for tracker in trackers:
+            tracker.close(False)
+    finally:
+        wandb.teardown()
+        _restore_environ(before)
+    state = json.loads((tmp_path / "trackers.json").read_text())
+    wandb_id, mlflow_id = state["wandb"]["id"], state["mlflow"]["run_id"]
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert (wandb_dir / f"run-{wandb_id}.wandb").is_file()
+    uri = (tmp_path / "mlruns").resolve().as_uri()
+    assert printed == [
+        f"tensorboard: events in {tmp_path / 'tensorboard'} (`tensorboard --logdir {tmp_path / 'tensorboard'}` "
+        "shows them)",
+        f"wandb: run {wandb_id} (exp) of project proj, mode offline, in {wandb_dir} (`wandb sync {wandb_dir}` "
+        "uploads it)",
+        f"mlflow: run {mlflow_id} (exp) of experiment proj at {uri} (`mlflow ui --backend-store-uri {uri}` shows it)",
+    ]
+
+
+def test_mlflow_says_the_tracking_uri_it_was_given(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("mlflow")
+    uri = (tmp_path / "elsewhere").resolve().as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file store named in the URI needs it from the user
+    (tmp_path / "run").mkdir()
+    (tracker,) = open_trackers(["mlflow"], tmp_path / "run", project="proj", experiment="exp", config={},
+                               resume_step=0)
+    tracker.close(False)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"mlflow: run {tracker.run_id} (exp) of experiment proj at {uri} ")
+    assert not (tmp_path / "run" / "mlruns").exists()
+
+
+def test_only_the_writing_rank_opens_and_announces_trackers(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    MetricsLogger(tmp_path / "other_rank", 3, False, trackers=["console", "tensorboard"]).close()
+    assert capsys.readouterr().out == "" and not (tmp_path / "other_rank").exists()
+    MetricsLogger(tmp_path / "rank0", 3, True, trackers=["console", "tensorboard"]).close()
+    assert capsys.readouterr().out.splitlines() == [
+        f"tensorboard: events in {tmp_path / 'rank0' / 'tensorboard'} "
+        f"(`tensorboard --logdir {tmp_path / 'rank0' / 'tensorboard'}` shows them)"]
