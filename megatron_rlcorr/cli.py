@@ -3,7 +3,7 @@
     megatron-rlcorr train --config recipes/tiny_cpu.yaml [--nproc 2] [section.key=value ...]
     megatron-rlcorr score --model SRC --rollouts IN.jsonl --out OUT.jsonl [--nproc N] [--config R] [k=v ...]
     megatron-rlcorr eval --model SRC --data FILE [FILE ...] --out DIR [--n N] [--temperature T] [--top-p P]
-        [--top-k K] [--max-new-tokens M] [--nproc N] [--config R] [k=v ...]
+        [--top-k K] [--max-new-tokens M] [--nproc N] [--config R] [--overwrite] [k=v ...]
     megatron-rlcorr export --model SRC --out DIR [--nproc N] [--dtype bfloat16|float32] [--config R] [k=v ...]
     megatron-rlcorr plan RECIPE --nodes N --gpus-per-node G [--gpu-memory-gib 80] [--json] [--search] [k=v ...]
     megatron-rlcorr presets
@@ -13,7 +13,9 @@
 Each launching command validates its arguments for the requested number of processes first (so
 a typo fails in a second, not after a rendezvous), then runs `python -m torch.distributed.run
 --standalone --nproc_per_node N -m megatron_rlcorr.<command> ...` and returns its exit code.
-`--nproc` defaults to the recipe's tp*pp*cp, or for a run checkpoint to the world size that wrote it.
+`--nproc` defaults to the recipe's tp*pp*cp (for `train` plus rollout.num_ranks with
+rollout.placement: separate, whose rollout ranks come on top of the trainer's; a smaller --nproc is
+refused with the one to pass), or for a run checkpoint to the world size that wrote it.
 `--verbose` (train, score, eval, export) keeps the known harmless third-party warnings that the
 launched processes otherwise hide (RLCORR_VERBOSE=1; runtime.quiet_known_warnings). An unknown
 command or option exits 2, with a "did you mean" only when a known name is close (config.did_you_mean).
@@ -25,9 +27,13 @@ import inspect
 import os
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 from .config import PRESETS, RolloutCorrectionConfig, did_you_mean
 from .runtime import EXIT_BAD_INPUT, VERBOSE_ENV
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     train = commands.add_parser("train", help="launch a recipe with torchrun on this machine")
     train.add_argument("--config", required=True, help="recipe YAML")
     train.add_argument("--nproc", type=int, default=None,
-                       help="processes on this machine (default: tp*pp*cp of the recipe, at least 1)")
+                       help="processes on this machine (default: tp*pp*cp of the recipe, plus rollout.num_ranks "
+                            "with rollout.placement: separate)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10")
     _add_verbose(train)
     for name, help_text in (("score", "the trainer's log-probs of an engine's rollouts"),
@@ -135,9 +142,7 @@ def launch(config: str, overrides: list[str], nproc: int | None) -> int:
     from .train import load_and_check
 
     try:
-        if nproc is None:
-            nproc = load_recipe(config, overrides).parallel.model_parallel_size
-        _check_nproc(nproc)
+        nproc = _train_nproc(load_recipe(config, overrides), nproc)
         load_and_check(config, overrides, nproc)
     except ValueError as err:
         print(f"error: recipe {config}: {err}", file=sys.stderr)
@@ -164,6 +169,25 @@ def launch_entry(command: str, args: argparse.Namespace, argv: list[str]) -> int
         print(f"error: {command} --model {args.model}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return _torchrun(command, nproc, argv)
+
+
+def _train_nproc(recipe: Recipe, nproc: int | None) -> int:
+    """`train`'s launch size: --nproc, else the recipe's default (Recipe.default_launch_world); a
+    --nproc below that default, which no layout can run, is refused naming the --nproc to pass."""
+    smallest = recipe.default_launch_world
+    if nproc is None:
+        return smallest
+    _check_nproc(nproc)
+    if nproc >= smallest:
+        return nproc
+    mp = recipe.parallel.model_parallel_size
+    if recipe.rollout.separate:
+        raise ValueError(f"--nproc {nproc} is too few: the trainer needs parallel tp*pp*cp = {mp} rank(s) and "
+                         f"rollout.placement: separate puts rollout.num_ranks={recipe.rollout.num_ranks} more after "
+                         f"them: pass --nproc {smallest} (or more: a multiple of {mp} for the trainer, plus "
+                         f"{recipe.rollout.num_ranks})")
+    raise ValueError(f"--nproc {nproc} is too few: one model replica takes parallel tp*pp*cp = {mp} ranks: pass "
+                     f"--nproc {mp} (or a multiple of it)")
 
 
 def _check_nproc(nproc: int) -> None:

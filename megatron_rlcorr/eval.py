@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=N -m megatron_rlcorr.eval --model SRC --data FILE [FILE ...] --out DIR \
         [--n N] [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens M] [--config RECIPE] \
-        [section.key=value ...]
+        [--overwrite] [section.key=value ...]
 
 (`megatron-rlcorr eval ...` validates the same arguments and launches this.) SRC is a Hugging
 Face checkpoint, a run or one of its checkpoints (recipe/source.py). Each FILE holds prompts in
@@ -11,12 +11,22 @@ data.answer_key, tokenizer and reward (`data.reward` may give each data_source i
 usable row is one prompt, in file order; it gets `rollout.val_kwargs.n` samples (`--n`) of at
 most `rollout.max_new_tokens` tokens (`--max-new-tokens`), sampled as `rollout.val_kwargs` says
 (`--temperature` T > 0 samples at T, with `--top-p` and `--top-k`; `--temperature 0` is greedy,
-as is val_kwargs' default), generated and scored exactly as validation inside a run
-(rl/validation.py): every rank generates its share with the recipe's rollout engine
-(`rollout.engine`, `rollout.precision`: the embedded engine in bf16 unless the recipe or an
-override says otherwise) holding the model's weights, so the numbers do not depend on the parallel
-layout, and greedy evaluation is deterministic. Options given on the command line win over the
-same keys in `--config` and the overrides.
+as is val_kwargs' default; greedy samples are all the same, and rank 0 warns when `--n` > 1 is),
+generated and scored exactly as validation inside a run (rl/validation.py): every rank generates
+its share with the recipe's rollout engine (`rollout.engine`, `rollout.precision`: the embedded
+engine in bf16 unless the recipe or an override says otherwise) holding the model's weights, so
+the numbers do not depend on the parallel layout, and greedy evaluation is deterministic. Options
+given on the command line win over the same keys in `--config` and the overrides.
+
+Every option without a value on the command line takes the recipe's: `--config`'s, else a run's
+own recipe.yaml, else (a Hugging Face SRC without --config) the recipe defaults (e.g.
+`rollout.max_new_tokens` 16, one greedy sample). The samples are seeded as validation at the
+checkpoint's step (step N of `runs/<name>/checkpoints/step_N`; 0 for a Hugging Face SRC) with
+`trainer.seed`, so eval of a run's checkpoint with the run's recipe repeats that run's validation
+at that step, sampled or greedy.
+
+`--out DIR` must be empty or absent; `--overwrite` writes into a non-empty one (metrics.json and
+generations.jsonl are replaced, other files left as they are).
 
 Rank 0 writes
 - DIR/metrics.json: one flat object with the metrics validation logs in training, in the same
@@ -78,8 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (rollout.val_kwargs.top_p)")
     parser.add_argument("--top-k", type=int, default=None, help="top-k sampling, 0 = off (rollout.val_kwargs.top_k)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="response length limit (rollout.max_new_tokens)")
+                        help="response length limit (default: rollout.max_new_tokens of --config, else of a run's "
+                             "recipe, else 16)")
     parser.add_argument("--config", default=None, help="recipe for data, reward, rollout and precision settings")
+    parser.add_argument("--overwrite", action="store_true",
+                        help=f"write into a non-empty --out (replacing its {METRICS_FILE} and {GENERATIONS_FILE})")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 data.prompt_key=question")
 
 
@@ -116,9 +129,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> tuple[ModelSource, Rec
     recipe.check_model_layout(world_size)
     check_source_layout(source, recipe, world_size)
     recipe.check_rollout(world_size)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {args.out} exists and is not a directory")
+    check_out(Path(args.out), overwrite=args.overwrite)
     task, prompts = read_prompts(recipe, args.data)
     if recipe.model.vocab_size < task.tokenizer.vocab_size:
         where = recipe.data.tokenizer or recipe.model.hf_checkpoint
@@ -127,6 +138,33 @@ def prepare(args: argparse.Namespace, world_size: int) -> tuple[ModelSource, Rec
                          "trained with")
     check_prompt_lengths(recipe, prompts)
     return source, recipe, task, prompts
+
+
+def check_out(out: Path, *, overwrite: bool) -> None:
+    """--out must be a directory to create, an empty one, or (--overwrite) any directory."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ValueError(f"--out {out} is not empty (it holds {shown}): pass --overwrite to replace its "
+                         f"{METRICS_FILE} and {GENERATIONS_FILE}, or choose another --out")
+
+
+def seed_step(source: ModelSource) -> int:
+    """The validation step whose seeds eval samples with: the checkpoint's step (0 for a Hugging
+    Face checkpoint), so eval of a run checkpoint draws what the run's validation drew there."""
+    return source.step if source.kind == "checkpoint" else 0
+
+
+def greedy_repeats(recipe: Recipe) -> str | None:
+    """The warning for n > 1 greedy samples per prompt (they are identical), or None."""
+    sampling = recipe.rollout.val_kwargs
+    if sampling.n == 1 or sampling.sampling_temperature > 0:
+        return None
+    return (f"eval: --n {sampling.n} (rollout.val_kwargs.n) with greedy decoding (--temperature 0, or "
+            f"rollout.val_kwargs.do_sample false) gives the same response {sampling.n} times per prompt, so every "
+            f"@{sampling.n} metric equals its @1; pass --temperature T > 0 to sample, or --n 1")
 
 
 def read_prompts(recipe: Recipe, files: list[str]) -> tuple[Task, list[Prompt]]:
@@ -173,12 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         source, recipe, task, prompts = prepare(args, launch_rank()[1])
     except ValueError as err:
         return report_bad_input(f"eval --model {args.model}", err)
+    warning = greedy_repeats(recipe)
+    if warning and launch_rank()[0] == 0:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     with process_groups(recipe.parallel, timeout_minutes=recipe.trainer.timeout_minutes,
                         rollout_tp=recipe.rollout.tensor_parallel_size) as groups:
         result = evaluate(source, recipe, task, prompts, groups)
         rank0 = dist.get_rank() == 0
     if rank0:
-        write_outputs(Path(args.out), result, recipe, len(prompts))
+        write_outputs(Path(args.out), result, recipe, len(prompts), seed_step(source))
     return 0
 
 
@@ -204,10 +245,10 @@ def evaluate(source: ModelSource, recipe: Recipe, task: Task, prompts: list[Prom
         torch.cuda.empty_cache()
     engine.wake_up(["kv_cache"])
     return validate(engine, task, prompts, rollout.val_kwargs, max_new_tokens=rollout.max_new_tokens, groups=groups,
-                    seed=recipe.trainer.seed, step=0, device=device)
+                    seed=recipe.trainer.seed, step=seed_step(source), device=device)
 
 
-def write_outputs(out: Path, result: ValidationResult, recipe: Recipe, num_prompts: int) -> None:
+def write_outputs(out: Path, result: ValidationResult, recipe: Recipe, num_prompts: int, step: int) -> None:
     from .rl.validation import write_generations
 
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +259,7 @@ def write_outputs(out: Path, result: ValidationResult, recipe: Recipe, num_promp
     how = (f"temperature {sampling.temperature}, top_p {sampling.top_p}, top_k {sampling.top_k}" if sampling.do_sample
            else "greedy")
     print(f"evaluated {num_prompts} prompts x {sampling.n} samples ({how}, at most "
-          f"{recipe.rollout.max_new_tokens} new tokens)", flush=True)
+          f"{recipe.rollout.max_new_tokens} new tokens; seeded as validation at step {step})", flush=True)
     for name, value in result.metrics.items():
         if name.startswith("val-core/"):
             print(f"  {name}: {value:.6g}")

@@ -18,6 +18,19 @@ def deterministic(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC)}
 
 
+# An example recipe must train on most of its tokens: its rejection sampling (absent without
+# rollout_rs) and veto may drop at most the rest.
+MOST_TOKENS = 0.5
+
+
+def kept_token_fraction(record: dict) -> float:
+    """The share of a step's response tokens that rejection sampling and the veto kept: 1 less RS's
+    share of the tokens and the veto's share of the sequences (a sequence share standing in for
+    the tokens it holds; 1 when neither acts)."""
+    masked = record.get("rollout_corr/rollout_rs_masked_fraction", 0.0)
+    return 1.0 - masked - record["rollout_corr/rollout_is_veto_fraction"]
+
+
 def train_runs(rank, world_size, runs):
     """Each (recipe path, overrides) in turn, each on its recipe's layout; rank 0's metrics of each."""
     from megatron_rlcorr.parallel.cpu import enable_cpu_megatron

@@ -78,10 +78,19 @@ class Recipe:
                              f"packing), or rollout_is_batch_normalize: false")
         return dp
 
+    @property
+    def default_launch_world(self) -> int:
+        """The ranks `megatron-rlcorr train` launches without --nproc: one model replica (parallel
+        tp*pp*cp), plus rollout.num_ranks with rollout.placement separate (the rollout ranks come on
+        top of the trainer's). No launch of fewer ranks can run the recipe."""
+        rollout = self.rollout.num_ranks if self.rollout.separate else 0
+        return self.parallel.model_parallel_size + rollout
+
     def check_launch(self, launch_world: int, *, here: bool = True) -> int:
         """check_layout for a torchrun launch of `launch_world` ranks: the ranks that train are all of
         them, or all but the last rollout.num_ranks with rollout.placement separate (an error then
         says so). Returns the data-parallel size."""
+        self._check_offload_placement()  # not a matter of the launch's size: said without the trainer ranks
         trainers = self.rollout.trainer_world(launch_world)
         try:
             return self.check_layout(trainers, here=here)
@@ -142,13 +151,7 @@ class Recipe:
             raise ValueError(f"rollout.tensor_parallel_size={rtp} must divide the attention heads ({heads}), and the "
                              f"K/V heads ({groups}) must divide it or be divided by it: use one of {_some(working)}")
         engine_max_model_len(rollout, self.data.max_prompt_length, model.max_position_embeddings)
-        offloaded = [key for key, on in (("model.offload_params", model.offload_params),
-                                         ("model.offload_grads", model.offload_grads),
-                                         ("optim.offload_optimizer", self.optim.offload_optimizer)) if on]
-        if rollout.separate and offloaded:
-            raise ValueError(f"{offloaded[0]}: true moves the trainer's states off the GPU while a colocated engine "
-                             "generates, and rollout.placement is separate (the engine has GPUs of its own): set "
-                             f"{offloaded[0]}: false")
+        self._check_offload_placement()
         if rollout.routing_replay and model.moe is None:
             raise ValueError("rollout.routing_replay: true replays the experts the engine routed each token to, and "
                              "this model is dense (no model.moe): set rollout.routing_replay: false, or use a "
@@ -157,6 +160,17 @@ class Recipe:
             from ..rollout.vllm_engine import check_vllm_settings
 
             check_vllm_settings(rollout, model, here=here)
+
+    def _check_offload_placement(self) -> None:
+        """Trainer offload frees the GPU for a colocated engine: refused with rollout.placement separate."""
+        model = self.model
+        offloaded = [key for key, on in (("model.offload_params", model.offload_params),
+                                         ("model.offload_grads", model.offload_grads),
+                                         ("optim.offload_optimizer", self.optim.offload_optimizer)) if on]
+        if self.rollout.separate and offloaded:
+            raise ValueError(f"{offloaded[0]}: true moves the trainer's states off the GPU while a colocated engine "
+                             "generates, and rollout.placement is separate (the engine has GPUs of its own): set "
+                             f"{offloaded[0]}: false")
 
     def _check_overlong(self) -> None:
         overlong, limit = self.algorithm.overlong_penalty, self.rollout.max_new_tokens

@@ -184,9 +184,15 @@ class RolloutConfig:
                                  f"colocated (every rank generates, then trains): set rollout.placement: separate, "
                                  f"or remove rollout.{given[0]}")
             return
-        if self.num_ranks is None or self.num_ranks < 1:
-            raise ValueError(f"rollout.placement: separate needs rollout.num_ranks >= 1 (the last num_ranks ranks of "
-                             f"the launch generate), got {self.num_ranks!r}")
+        engine = self.tensor_parallel_size  # the ranks of one rollout engine: the fewest rollout ranks
+        if self.num_ranks is None:
+            raise ValueError(f"rollout.placement: separate needs rollout.num_ranks, the ranks at the end of the launch "
+                             f"that generate and never train, and it is not set: set rollout.num_ranks: {engine} (one "
+                             "rollout engine) or more, and launch that many ranks beyond the trainer's")
+        if self.num_ranks < 1:
+            raise ValueError(f"rollout.num_ranks={self.num_ranks}: rollout.placement: separate needs at least one "
+                             f"rollout rank (the last num_ranks ranks of the launch generate): set rollout.num_ranks: "
+                             f"{engine} or more, or rollout.placement: colocated")
         if self.num_ranks % self.tensor_parallel_size:
             raise ValueError(f"rollout.num_ranks={self.num_ranks} must be a multiple of rollout.tensor_parallel_size="
                              f"{self.tensor_parallel_size} (the rollout ranks form engines of that many ranks)")

@@ -1,6 +1,8 @@
 """Asynchronous RL end to end (rl/async_rollout.py): torchrun launches where the last
-rollout.num_ranks ranks generate while the others train, against colocated runs that emulate
-the same staleness with rollout.policy_lag, and exact resume after a planned stop or a SIGKILL.
+rollout.num_ranks ranks generate while the others train (recipes/tiny_cpu_async.yaml itself, and
+tiny_cpu.yaml with other layouts), against colocated runs that emulate the same staleness with
+rollout.policy_lag, the example recipe's share of trained tokens, and exact resume after a planned
+stop or a SIGKILL.
 
 The schedule's promise (rl/async_rollout.py's docstring): step t trains on rollouts generated
 with the weights after step max(0, t - 1 - S), the same rollouts `rollout.policy_lag: S` makes on
@@ -22,20 +24,21 @@ import psutil
 import pytest
 
 from tests.dist import run_distributed
-from tests.runs import deterministic, read_metrics, train_runs
+from tests.runs import MOST_TOKENS, deterministic, kept_token_fraction, read_metrics, train_runs
 
 pytestmark = [pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+ASYNC = ROOT / "recipes" / "tiny_cpu_async.yaml"
 COMMON = ["trainer.save_every=0", "trainer.logger=[console]"]
 SEPARATE = ["rollout.placement=separate"]
 RUN_TIMEOUT_S = 300
 
 
-def _command(nproc: int, out: Path, name: str, overrides) -> list[str]:
+def _command(nproc: int, out: Path, name: str, overrides, recipe: Path = TINY) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-            "megatron_rlcorr.train", "--config", str(TINY), *COMMON, f"trainer.output_dir={out}", f"name={name}",
+            "megatron_rlcorr.train", "--config", str(recipe), *COMMON, f"trainer.output_dir={out}", f"name={name}",
             *overrides]
 
 
@@ -43,18 +46,19 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
 
 
-def launch(nproc: int, out: Path, name: str, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> list[dict]:
-    """One torchrun launch of the tiny recipe; its metrics rows (it must succeed)."""
-    proc = subprocess.run(_command(nproc, out, name, overrides), check=False, capture_output=True, text=True,
+def launch(nproc: int, out: Path, name: str, *overrides: str, recipe: Path = TINY,
+           timeout: float = RUN_TIMEOUT_S) -> list[dict]:
+    """One torchrun launch of a tiny recipe; its metrics rows (it must succeed)."""
+    proc = subprocess.run(_command(nproc, out, name, overrides, recipe), check=False, capture_output=True, text=True,
                           timeout=timeout, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return read_metrics(out / name)
 
 
-def colocated(nproc: int, out: Path, name: str, *overrides: str) -> list[dict]:
-    """The tiny recipe on `nproc` colocated ranks of the worker pool (not a launch): its metrics rows."""
-    (records,) = run_distributed(train_runs, nproc, [(TINY, [*COMMON, f"trainer.output_dir={out}", f"name={name}",
-                                                              *overrides])])[0]
+def colocated(nproc: int, out: Path, name: str, *overrides: str, recipe: Path = TINY) -> list[dict]:
+    """A tiny recipe on `nproc` colocated ranks of the worker pool (not a launch): its metrics rows."""
+    (records,) = run_distributed(train_runs, nproc, [(recipe, [*COMMON, f"trainer.output_dir={out}", f"name={name}",
+                                                                *overrides])])[0]
     return records
 
 
@@ -62,13 +66,18 @@ def rows(records: list[dict]) -> list[dict]:
     return [deterministic(r) for r in records]
 
 
-# ---- 1. separate (2 trainer + 1 rollout rank, S=2) == colocated 2 ranks with policy_lag=2 ----
+# ---- 1. tiny_cpu_async.yaml at S=2 (2 trainer + 1 rollout rank) == colocated 2 ranks, policy_lag=2 ----
+
+# tiny_cpu_async.yaml colocated: every rank generates with the weights of two steps ago
+COLOCATED_LAG_TWO = ["rollout.placement=colocated", "rollout.num_ranks=null", "rollout.max_staleness=null",
+                     "rollout.policy_lag=2"]
+
 
 @pytest.fixture(scope="module")
 def colocated_lag_two(tmp_path_factory):
     """The colocated run with the staleness of `uninterrupted` (section 3): policy_lag=2, 2 ranks, 5 steps."""
-    return colocated(2, tmp_path_factory.mktemp("colocated_lag_two"), "colocated", "rollout.policy_lag=2",
-                     "trainer.steps=5")
+    return colocated(2, tmp_path_factory.mktemp("colocated_lag_two"), "colocated", *COLOCATED_LAG_TWO,
+                     "trainer.steps=5", recipe=ASYNC)
 
 
 @pytest.mark.timeout(600)
@@ -86,6 +95,16 @@ def test_separate_rollout_rank_repeats_the_colocated_policy_lag(uninterrupted, c
         assert {"timing/wait_for_rollout_s", "timing/gen_s"} <= sep.keys()
         assert deterministic(sep) == deterministic(col), sep["step"]
     assert len({r["loss"] for r in separate}) == 5  # the steps really differ
+
+
+@pytest.mark.timeout(600)
+def test_async_recipe_trains_on_most_tokens(uninterrupted):
+    """The example recipe's correction suits stale batches: tiny_cpu.yaml's DAPO block (geometric RS
+    within [0.99, 1.01]) rejected 89-97% of the tokens at steps 2-4 of a launch of this recipe at its
+    own staleness 1 (2026-11-27); the ppo_is_bypass block keeps them, here at staleness 2."""
+    assert [r["rollout/staleness_max"] for r in uninterrupted] == [0, 1, 2, 2, 2]
+    for record in uninterrupted:
+        assert kept_token_fraction(record) >= MOST_TOKENS, (record["step"], kept_token_fraction(record))
 
 
 # ---- 2. dp2 x tp2 trainer + 2 rollout ranks == colocated tp2 (and step 1 == one process) ----
@@ -127,25 +146,25 @@ STEP1_LAYOUT_FREE = ("reward_mean", "reward/acc_mean", "reward/batch_reward_mean
 
 # ---- 3. exact resume with S=2 ----
 
-RESUME = [*SEPARATE, "rollout.num_ranks=1", "rollout.max_staleness=2", "trainer.steps=5"]
+RESUME = ["rollout.max_staleness=2", "trainer.steps=5"]  # on tiny_cpu_async.yaml (1 rollout rank)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The 5-step S=2 run that the resumed ones must repeat, and that repeats the colocated
     policy_lag=2 run (section 1)."""
-    return launch(3, tmp_path_factory.mktemp("uninterrupted"), "whole", *RESUME)
+    return launch(3, tmp_path_factory.mktemp("uninterrupted"), "whole", *RESUME, recipe=ASYNC)
 
 
 @pytest.mark.timeout(600)
 def test_exit_interval_then_resume_repeats_the_uninterrupted_run(uninterrupted, tmp_path):
-    first = launch(3, tmp_path, "exit", *RESUME, "trainer.exit_interval=2")
+    first = launch(3, tmp_path, "exit", *RESUME, "trainer.exit_interval=2", recipe=ASYNC)
     assert [r["step"] for r in first] == [1, 2]
     run_dir = tmp_path / "exit"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "2"
     # The batches asked for before the checkpoint (steps 3 and 4) are saved beside it.
     assert (run_dir / "checkpoints" / "step_000002" / "rollouts" / "dp0.pt").is_file()
-    resumed = launch(3, tmp_path, "exit", *RESUME, "trainer.resume=true")
+    resumed = launch(3, tmp_path, "exit", *RESUME, "trainer.resume=true", recipe=ASYNC)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert resumed[:2] == first  # not re-run
     assert rows(resumed) == rows(uninterrupted)
@@ -164,7 +183,7 @@ def _launch_rank(process: psutil.Process) -> int | None:
 def _kill_rank_after_checkpoint(out: Path, name: str, rank: int) -> int:
     """Launch the S=2 run saving every 2 steps, SIGKILL launch rank `rank` once a checkpoint is
     complete, then the rest of the launch; the step `latest` names afterwards."""
-    proc = subprocess.Popen(_command(3, out, name, [*RESUME, "trainer.save_every=2"]), env=_env(), cwd=ROOT,
+    proc = subprocess.Popen(_command(3, out, name, [*RESUME, "trainer.save_every=2"], ASYNC), env=_env(), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     latest = out / name / "checkpoints" / "latest"
     try:
@@ -193,7 +212,7 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_run(uninterrupted, tmp_p
     saved = _kill_rank_after_checkpoint(tmp_path, "killed", rank)
     assert saved in (2, 4)  # 5 would mean the run finished before the kill
     assert (tmp_path / "killed" / "checkpoints" / f"step_{saved:06d}" / "rollouts" / "dp0.pt").is_file()
-    resumed = launch(3, tmp_path, "killed", *RESUME, "trainer.save_every=2", "trainer.resume=true")
+    resumed = launch(3, tmp_path, "killed", *RESUME, "trainer.save_every=2", "trainer.resume=true", recipe=ASYNC)
     # The rows a killed launch logged after its checkpoint are replaced by the resumed run's.
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert rows(resumed) == rows(uninterrupted)

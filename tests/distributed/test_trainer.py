@@ -10,7 +10,7 @@ import pytest
 
 from megatron_rlcorr.config import PRESETS
 from tests.dist import run_distributed
-from tests.runs import deterministic, read_metrics, train_runs
+from tests.runs import MOST_TOKENS, deterministic, kept_token_fraction, read_metrics, train_runs
 
 pytestmark = [
     pytest.mark.distributed,
@@ -48,8 +48,9 @@ def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
         assert 0.0 <= record["response/clip_fraction"] <= 1.0 and record["throughput/gen_tokens_per_s"] > 0
         assert record["lr"] == pytest.approx(3e-3) and record["grad_norm"] > 0
         assert record["rollout_corr/invalid_rollout_token_fraction"] == 0.0
-        # bf16 rollout vs fp32 training: a small but real mismatch.
+        # bf16 rollout vs fp32 training: a small but real mismatch, which the correction trains through
         assert 0 < record["rollout_corr/k3_kl"] < 1e-2
+        assert kept_token_fraction(record) >= MOST_TOKENS, (record["step"], kept_token_fraction(record))
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "3"
     step_dir = run_dir / "checkpoints" / "step_000003"
     # A Megatron-Core distributed checkpoint (its files per version: test_checkpoint_files_and_marker)

@@ -1,12 +1,16 @@
 """Validation inside a run (rl/validation.py, rl/trainer.py) on gloo with the tiny Hugging Face
 checkpoint: the metrics and records do not depend on the parallel layout (one process, dp2, tp2,
 pp2; greedy and sampled), a run stopped and resumed validates at the same steps with the same
-numbers as the uninterrupted one, val_only validates only, and log_val_generations writes N records.
+numbers as the uninterrupted one, val_only validates only, log_val_generations writes N records,
+and `megatron-rlcorr eval` of a run checkpoint repeats the run's validation at that step.
 
 The validation file holds 6 rows of the tiny dataset under two data sources; the reward is dapo_math
 wrapped to return verl's mapping (score, acc, pred), so acc is the core variable and maj@k is computed.
 """
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +182,22 @@ def test_val_only_validates_and_stops(worlds):
     assert deterministic(val_only[0]) == deterministic(whole[0])  # the same weights, seed and step
     assert not (out / "val_only" / "checkpoints").exists()
     assert [p.name for p in (out / "val_only" / "val_generations").iterdir()] == ["step_0.jsonl"]
+
+
+@pytest.mark.timeout(600)  # alone, it also starts the module's worlds
+def test_eval_of_a_checkpoint_repeats_the_runs_validation_at_its_step(worlds, tmp_path):
+    """`megatron-rlcorr eval` of the dp2 run's last checkpoint (step 3) with the run's own recipe
+    (sampled: val_kwargs n 4 at temperature 1), on one process: the metrics the run logged at step 3
+    and the same first records, as eval seeds like validation at the checkpoint's step (not 0)."""
+    out, whole = worlds["out"], worlds["whole"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "megatron_rlcorr.cli", "eval", "--model", str(out / "whole"),
+                           "--data", str(out / "val.jsonl"), "--out", str(tmp_path / "eval"), "--nproc", "1"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "seeded as validation at step 3" in proc.stdout and "warning:" not in proc.stderr
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics == {k: v for k, v in whole[-1].items() if k.startswith("val-")}
+    records = _lines(tmp_path / "eval" / "generations.jsonl")
+    assert len(records) == VAL_ROWS * SAMPLED["n"]
+    assert records[:5] == _lines(out / "whole" / "val_generations" / "step_3.jsonl")  # log_val_generations

@@ -60,14 +60,26 @@ def test_policy_lag_refused_with_separate():
 
 
 def test_separate_needs_num_ranks():
-    for overrides in (["rollout.placement=separate"], ["rollout.placement=separate", "rollout.num_ranks=0"]):
-        assert "rollout.placement: separate needs rollout.num_ranks >= 1" in refused(overrides)
+    # unset: the message says what to set (one engine's ranks), not "got None"
+    assert refused(["rollout.placement=separate"]) == (
+        "rollout: rollout.placement: separate needs rollout.num_ranks, the ranks at the end of the launch that "
+        "generate and never train, and it is not set: set rollout.num_ranks: 1 (one rollout engine) or more, and "
+        "launch that many ranks beyond the trainer's")
+    with pytest.raises(ValueError, match=r"set rollout.num_ranks: 2 \(one rollout engine\)"):
+        RolloutConfig(engine="vllm", tensor_parallel_size=2, placement="separate")
+    message = refused(["rollout.placement=separate", "rollout.num_ranks=0"])
+    assert "rollout.num_ranks=0: rollout.placement: separate needs at least one rollout rank" in message
+    assert "set rollout.num_ranks: 1 or more, or rollout.placement: colocated" in message
 
 
 @pytest.mark.parametrize("setting", ["model.offload_params", "model.offload_grads", "optim.offload_optimizer"])
 def test_offload_refused_with_separate(setting):
-    message = refused([*SEPARATE, f"{setting}=true"])
-    assert f"{setting}: true" in message and f"set {setting}: false" in message
+    # a message about offload only: not prefixed with the trainer ranks, whatever the launch's size
+    for world in (3, 5):  # a layout that fits (dp 2), and one that does not (dp 3 of 16 prompts)
+        message = refused([*SEPARATE, f"{setting}=true"], world)
+        assert message.startswith(f"{setting}: true moves the trainer's states off the GPU") and "trainer ranks" \
+            not in message
+        assert message.endswith(f"set {setting}: false")
     load_and_check(TINY, [f"{setting}=true"], 2)  # colocated, the same offload loads
 
 

@@ -290,9 +290,10 @@ ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
         "and the report's parts are tested on their own"),
     "torchrun --nproc_per_node=3 -m megatron_rlcorr.train --config recipes/tiny_cpu_async.yaml": (
         ("tests/distributed/test_async_runs.py::test_separate_rollout_rank_repeats_the_colocated_policy_lag",
+         "tests/distributed/test_async_runs.py::test_async_recipe_trains_on_most_tokens",
          "tests/unit/test_recipes.py::test_every_shipped_recipe_loads"),
-        "a 3-process training run of minutes; the test launches tiny_cpu.yaml with this recipe's three rollout "
-        "settings on 3 processes, 4 steps, against the colocated policy_lag run"),
+        "a 3-process training run of minutes; the tests launch this recipe on 3 processes, 4 steps, against "
+        "the same recipe colocated with policy_lag 1, and check the share of tokens it trains on"),
     "python tools/bench_async.py": (
         ("tests/unit/test_bench_async.py::test_both_runs_pass_the_launch_checks",
          "tests/unit/test_bench_async.py::test_summary_is_over_steps_2_to_n_minus_s_minus_1",

@@ -150,3 +150,55 @@ def test_cli_lists_eval_beside_score():
     assert "megatron-rlcorr eval --model SRC --data FILE [FILE ...] --out DIR" in usage
     assert "train | score | eval | export" in usage.splitlines()[0]
     assert Path(evaluation.__file__).name == "eval.py" and "generations.jsonl" in evaluation.__doc__
+
+
+def test_a_non_empty_out_needs_overwrite(model_dir, val_file, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "o"
+    out.mkdir()
+    _prepare(["--model", str(model_dir), "--data", str(val_file), "--out", str(out)])  # empty: fine
+    (out / evaluation.METRICS_FILE).write_text("{}")
+    code, err = _cli(capsys, "--model", model_dir, "--data", val_file, "--out", out)
+    assert code == 2 and (f"--out {out} is not empty (it holds metrics.json): pass --overwrite to replace its "
+                          "metrics.json and generations.jsonl, or choose another --out") in err
+    launched = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: launched.append(cmd) or 0)
+    assert cli.main(["eval", "--model", str(model_dir), "--data", str(val_file), "--out", str(out),
+                     "--overwrite"]) == 0
+    assert "--overwrite" in launched[0]  # the entry point checks it again on every rank
+    assert evaluation.parse_args(["--model", "m", "--data", "d", "--out", str(out), "--overwrite"]).overwrite
+
+
+def test_eval_seeds_as_validation_at_the_checkpoints_step(tmp_path):
+    from megatron_rlcorr.recipe.source import ModelSource
+
+    assert evaluation.seed_step(ModelSource("checkpoint", tmp_path, 30)) == 30  # runs/<name>/checkpoints/step_30
+    assert evaluation.seed_step(ModelSource("hf", tmp_path)) == 0  # a Hugging Face checkpoint: before training
+
+
+def test_greedy_samples_beyond_the_first_are_warned_of(model_dir, val_file):
+    def warning(*argv):
+        _, (_, recipe, _, _) = _prepare(["--model", str(model_dir), "--data", str(val_file), "--out", "x", *argv])
+        return evaluation.greedy_repeats(recipe)
+
+    for greedy in (["--n", "4"], ["--n", "4", "--temperature", "0"],
+                   ["--n", "4", "rollout.val_kwargs.temperature=1.0"]):  # do_sample false: greedy
+        assert warning(*greedy) == (
+            "eval: --n 4 (rollout.val_kwargs.n) with greedy decoding (--temperature 0, or rollout.val_kwargs.do_sample "
+            "false) gives the same response 4 times per prompt, so every @4 metric equals its @1; pass --temperature "
+            "T > 0 to sample, or --n 1"), greedy
+    assert warning("--n", "4", "--temperature", "1.0") is None and warning() is None  # sampled; one greedy sample
+
+
+def test_max_new_tokens_default_is_the_recipes_with_or_without_config(model_dir, val_file, tmp_path):
+    """One rule: --max-new-tokens, else rollout.max_new_tokens of --config (else of a run's own
+    recipe), else the recipe default, 16; the same default whether a --config is given or not."""
+    def limit(*argv):
+        _, (_, recipe, _, _) = _prepare(["--model", str(model_dir), "--data", str(val_file), "--out", "x", *argv])
+        return recipe.rollout.max_new_tokens
+
+    silent, sets = tmp_path / "silent.yaml", tmp_path / "sets.yaml"
+    silent.write_text("rollout: {temperature: 1.0}\n")
+    sets.write_text("rollout: {max_new_tokens: 8}\n")
+    assert limit() == limit("--config", str(silent)) == 16
+    assert limit("--config", str(sets)) == 8
+    assert limit("--config", str(sets), "--max-new-tokens", "6") == limit("--max-new-tokens", "6") == 6

@@ -12,6 +12,7 @@ from megatron_rlcorr.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+ASYNC = ROOT / "recipes" / "tiny_cpu_async.yaml"
 # The tiny model with 4 experts of width 32, top-2, in every layer
 MOE = "model.moe={num_experts: 4, router_topk: 2, ffn_hidden_size: 32}"
 
@@ -157,6 +158,36 @@ def test_cli_train_validates_before_launching(capsys, monkeypatch, tmp_path):
     assert cli.main(["train", "--config", str(TINY), "--nproc", "2", "trainer.steps=1", out]) == 0
     assert launched[0][1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                                "megatron_rlcorr.train", "--config", str(TINY), "trainer.steps=1", out]
+
+
+def test_cli_train_counts_the_rollout_ranks(capsys, monkeypatch, tmp_path):
+    """Without --nproc, `train` launches tp*pp*cp trainer ranks plus rollout.num_ranks with
+    placement separate; a --nproc too small for the recipe is refused naming the one to pass."""
+    launched = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: launched.append(cmd) or 0)
+    out = f"trainer.output_dir={tmp_path}"
+    assert cli.main(["train", "--config", str(ASYNC), out]) == 0  # 1 trains, 1 generates
+    assert cli.main(["train", "--config", str(ASYNC), "rollout.num_ranks=2", "parallel.tp=2", out]) == 0
+    assert cli.main(["train", "--config", str(TINY), out]) == 0  # colocated: tp*pp*cp alone, as before
+    assert [cmd[4] for cmd in launched] == ["--nproc_per_node=2", "--nproc_per_node=4", "--nproc_per_node=1"]
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: pytest.fail("launched a launch too small"))
+    assert cli.main(["train", "--config", str(ASYNC), "--nproc", "1", out]) == train.EXIT_BAD_RECIPE
+    assert ("--nproc 1 is too few: the trainer needs parallel tp*pp*cp = 1 rank(s) and rollout.placement: separate "
+            "puts rollout.num_ranks=1 more after them: pass --nproc 2 (or more: a multiple of 1 for the trainer, "
+            "plus 1)") in capsys.readouterr().err
+    assert cli.main(["train", "--config", str(TINY), "--nproc", "1", "parallel.tp=2", out]) == train.EXIT_BAD_RECIPE
+    assert ("--nproc 1 is too few: one model replica takes parallel tp*pp*cp = 2 ranks: pass --nproc 2 (or a "
+            "multiple of it)") in capsys.readouterr().err
+
+
+def test_async_recipe_is_ppo_is_bypass_on_rollout_ranks_apart():
+    """recipes/tiny_cpu_async.yaml: tiny_cpu.yaml with one rollout rank apart and the correction
+    docs/async.md advises at a high learning rate (the DAPO block rejected most one-step-stale tokens)."""
+    recipe, tiny = load_recipe(ASYNC), load_recipe(TINY)
+    assert recipe.algorithm.rollout_correction == RolloutCorrectionConfig.ppo_is_bypass()
+    assert (recipe.rollout.placement, recipe.rollout.num_ranks, recipe.rollout.staleness) == ("separate", 1, 1)
+    assert (recipe.model, recipe.optim, recipe.data) == (tiny.model, tiny.optim, tiny.data)
+    assert recipe.default_launch_world == 2 and recipe.check_launch(2) == 1 and recipe.check_launch(3) == 2
 
 
 def test_bypass_pg_batch_norm_needs_one_micro_batch_per_rank():
