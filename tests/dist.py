@@ -1,13 +1,13 @@
 """Run a function on N processes on this machine and collect what each rank returns.
 
 Used by every distributed test: `run_distributed(fn, world_size, *args)` returns the list of
-per-rank results (rank order). By default each call spawns new processes (gloo on the CPU, or
-with backend="nccl" one GPU each). With RLCORR_TEST_POOL=1 the gloo calls run in the session's pool
-of `world_size` processes instead (tests/dist_pool.py: spawned once per world size, state checked
-clean after every case); `fresh=True` keeps new processes for one call (a test whose libraries keep
-process-wide state, or that sets variables read only at process start), and so does a call made
-while the test has changed sys.path (a stand-in package put first: new processes start with the
-caller's sys.path). The pool is opt-in until a whole-suite run with it has passed (docs/testing.md).
+per-rank results (rank order). A gloo call runs in the session's pool of `world_size` processes
+(tests/dist_pool.py: spawned once per world size, state checked clean after every case);
+`fresh=True` spawns new processes for one call (a test whose libraries keep process-wide state, or
+that sets variables read only at process start), and so does a call made while the test has changed
+sys.path (a stand-in package put first: new processes start with the caller's sys.path), a "nccl"
+call (one GPU each), and every call when RLCORR_TEST_POOL=0 (the harness as it was before the pool,
+to tell a pool problem from a test's).
 Collectives get a short timeout so a hang fails the test instead of stalling CI; an exception on
 any rank is re-raised here with its traceback.
 """
@@ -63,12 +63,12 @@ def _worker(rank, world_size, port, fn, args, out_dir, backend):
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", fresh: bool = False):
     """Run fn(rank, world_size, *args) on `world_size` processes; return their results.
 
-    backend "gloo": CPU processes, new or (RLCORR_TEST_POOL=1) the session's pool (module docstring;
+    backend "gloo": CPU processes, the session's pool or (RLCORR_TEST_POOL=0) new ones (module docstring;
     the CPU-path tests hide the GPUs themselves); "nccl": one GPU per process, which needs
     `world_size` GPUs (see `nccl_or_skip`). `fresh`: new processes for this call even in pool mode."""
     if _session_sys_path is None:
         record_session_sys_path()
-    if backend == "gloo" and not fresh and os.environ.get("RLCORR_TEST_POOL") == "1" \
+    if backend == "gloo" and not fresh and os.environ.get("RLCORR_TEST_POOL", "1") != "0" \
             and sys.path == _session_sys_path:
         return _run_in_pool(fn, world_size, args)
     return _run_fresh(fn, world_size, args, backend)
