@@ -7,19 +7,42 @@ ours first so the comparison is fair. On a GPU the table also shows the memory-b
 one read of the inputs (two float32 log-prob tensors and a float32 mask) and one write of the
 outputs (float32 weights and mask), at the bandwidth measured by a device-to-device copy.
 
+The `kernels` column is the number of kernels one call launches, by the counting rule of
+tools/op_count.py (torch.profiler on the CPU; the leaf ATen ops less views, allocations and no-op
+casts), on a batch of 8 x 4096 tokens taken in one block as on a GPU, with every metric.
+`--count-ops` prints only those counts, with the op types, for the correction's settings and for
+one micro-batch's policy loss (PPO-clip + IS weights + entropy + KL to a reference policy; its
+forward, and forward + backward).
+
     python tools/bench_correction.py [--sizes 256K,1M,4M] [--device cuda] [--repeats 15]
+    python tools/bench_correction.py --count-ops
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from megatron_rlcorr.config import RolloutCorrectionConfig
 from megatron_rlcorr.correction import compute_rollout_correction
+from megatron_rlcorr.training.kl import KLLossSettings
+from megatron_rlcorr.training.losses import LossConfig, global_loss_normalizers, policy_loss
+
+
+def _tool(name: str):
+    """A module of tools/ (a folder of scripts, not a package), loaded by its path."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+op_count = _tool("op_count")
 
 SETTINGS = {
     "token_is": RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0),
@@ -28,6 +51,8 @@ SETTINGS = {
                                     rollout_rs_threshold_lower=0.99, rollout_token_veto_threshold=1e-4),
 }
 SEQ_LEN = 4096
+COUNT_ROWS = 8  # the op-count batch: 8 x 4096 tokens, one block
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,6 +239,58 @@ def check_agreement(old, rollout, mask, cfg):
             assert math.isclose(got, value, rel_tol=1e-3, abs_tol=1e-4), (name, got, value)
 
 
+# ----------------------------------------------------------------------------------------------
+# Kernel counts (tools/op_count.py)
+def count_correction_ops(cfg: RolloutCorrectionConfig):
+    """Counter of the kernels one call launches on the count batch (every metric)."""
+    old, rollout, mask = make_inputs(COUNT_ROWS * SEQ_LEN, torch.device("cpu"))
+    return op_count.count_ops(lambda: compute_rollout_correction(old, rollout, mask, cfg, check_inputs=False))
+
+
+def loss_inputs(rows: int = COUNT_ROWS, seq_len: int = 512, seed: int = 0) -> dict:
+    """One micro-batch of the policy loss: pi_theta log-probs and entropy (differentiable), pi_old,
+    the reference policy, advantages, the correction's mask and IS weights."""
+    g = torch.Generator().manual_seed(seed)
+    log_prob = -torch.rand(rows, seq_len, generator=g) * 3
+    mask = (torch.arange(seq_len) < torch.randint(seq_len // 4, seq_len + 1, (rows, 1), generator=g)).float()
+    return dict(log_prob=log_prob.requires_grad_(True),
+                old_log_prob=log_prob.detach() + 0.05 * torch.randn(rows, seq_len, generator=g),
+                advantages=torch.randn(rows, 1, generator=g).expand(rows, seq_len).contiguous(),
+                loss_mask=mask, is_weights=torch.rand(rows, seq_len, generator=g) * mask,
+                entropy=(torch.rand(rows, seq_len, generator=g) * 2).requires_grad_(True),
+                ref_log_prob=log_prob.detach() + 0.05 * torch.randn(rows, seq_len, generator=g))
+
+
+def count_loss_ops(agg_mode: str = "token-mean", backward: bool = False):
+    """Counter of the kernels of one micro-batch's policy loss: PPO-clip (clip-higher, dual clip)
+    with token IS weights, an entropy bonus and the low_var_kl loss to a reference policy."""
+    x = loss_inputs()
+    cfg = LossConfig(clip_ratio_high=0.28, entropy_coeff=0.001, loss_agg_mode=agg_mode)
+    (normalizer,) = global_loss_normalizers([x["loss_mask"]], agg_mode)
+    kl = KLLossSettings(enabled=True, coef=0.001, type="low_var_kl")
+
+    def step():
+        out = policy_loss(x["log_prob"], x["old_log_prob"], x["advantages"], x["loss_mask"], cfg,
+                          normalizer=normalizer, is_weights=x["is_weights"], entropy=x["entropy"],
+                          ref_log_prob=x["ref_log_prob"], kl=kl)
+        if backward:
+            out.loss.backward()
+
+    return op_count.count_ops(step)
+
+
+def print_op_counts() -> None:
+    rows = [(f"correction {name}", count_correction_ops(cfg)) for name, cfg in SETTINGS.items()]
+    for mode in LOSS_AGG_MODES:
+        rows.append((f"loss {mode}", count_loss_ops(mode)))
+        rows.append((f"loss {mode} +backward", count_loss_ops(mode, backward=True)))
+    print(f"torch={torch.__version__}; kernels per call, counted by tools/op_count.py")
+    print(f"{'call':<36} {'kernels':>7}  op types")
+    for name, counts in rows:
+        kinds = ", ".join(f"{op.removeprefix('aten::')} {n}" for op, n in counts.most_common())
+        print(f"{name:<36} {sum(counts.values()):>7}  {kinds}")
+
+
 def _parse_size(text: str) -> int:
     """'262144', '256K', '1M', '4M' -> tokens (K = 2^10, M = 2^20)."""
     scale = {"K": 1 << 10, "M": 1 << 20}.get(text.strip()[-1:].upper(), 1)
@@ -231,12 +308,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
                         help="print the memory-bandwidth floor columns (default: on a GPU only)")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="print the kernels per call of each setting and of the policy loss, and exit")
     args = parser.parse_args(argv)
+    if args.count_ops:
+        print_op_counts()
+        return
     device = torch.device(args.device)
     show_floor = device.type == "cuda" if args.floor is None else args.floor
     bandwidth = copy_bandwidth_bytes_per_ms(device) if show_floor else None
     print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()}")
-    header = f"{'setting':<9} {'tokens':>9} {'multi-pass ms':>14} {'ours ms':>9} {'speed-up':>9}"
+    kernels = {name: sum(count_correction_ops(cfg).values()) for name, cfg in SETTINGS.items()}
+    header = f"{'setting':<9} {'tokens':>9} {'kernels':>7} {'multi-pass ms':>14} {'ours ms':>9} {'speed-up':>9}"
     graphed = device.type == "cuda"
     if graphed:
         header += f" {'graphed ms':>11} {'speed-up':>9}"
@@ -251,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                 [lambda: multipass_correction(old, rollout, mask, cfg),
                  lambda: compute_rollout_correction(old, rollout, mask, cfg, check_inputs=False)],
                 device, args.repeats)
-            row = f"{name:<9} {old.numel():>9} {base:>14.2f} {ours:>9.2f} {base / ours:>8.1f}x"
+            row = f"{name:<9} {old.numel():>9} {kernels[name]:>7} {base:>14.2f} {ours:>9.2f} {base / ours:>8.1f}x"
             if graphed:
                 replay = cuda_graph_replay(
                     lambda: compute_rollout_correction(old, rollout, mask, cfg, check_inputs=False))

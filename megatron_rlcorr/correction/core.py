@@ -1,4 +1,15 @@
-"""`compute_rollout_correction`: the public entry point of the correction (its contract: docs/api.md)."""
+"""`compute_rollout_correction`: the public entry point of the correction (its contract: docs/api.md).
+
+A call runs the configuration's compiled plan (`plan.py`) in three phases:
+  1. token -> sequence: the token phase fills one float64 buffer of per-token quantities and
+     reduces it per sequence in one product (`tokens.py`); under CP the per-sequence statistics
+     are all-reduced over `cp_group` (one SUM, one MAX), so every CP rank sees whole sequences;
+  2. sequence -> batch: every per-sequence series and decision in one chain (`rows.py`); the
+     batch maxima are all-reduced over `dp_group` (MAX) and then the batch sums (SUM);
+  3. the metrics from the batch totals in one chain (`metrics.py`), then the outputs.
+On a GPU one call launches a few dozen kernels whatever the configuration's metric count
+(`tools/bench_correction.py --count-ops`) and never synchronises with the host.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,13 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import RolloutCorrectionConfig
-from .context import LOG_RATIO_BOUND, Context, Counts, finite
-from .offpolicy import OffPolicyMetrics
-from .rejection import Rejection, Veto
-from .reduce import Partials
+from .plan import Plan, plan_for
+from .rejection import REJECTED
 from .segments import Segments
 from .validate import check_layout, check_values
-from .weights import ImportanceWeights
 
 METRIC_PREFIX = "rollout_corr/"
 CPU_BLOCK_TOKENS = 1 << 18
@@ -51,84 +59,86 @@ def compute_rollout_correction(
     if check_inputs:
         check_values(old_log_prob, rollout_log_prob, response_mask, cu_seqlens)
 
-    weights = ImportanceWeights(config) if config.rollout_is is not None else None
-    rejection = Rejection(config) if config.rejection_rules else None
-    veto = Veto(config.rollout_token_veto_threshold)
-    families = [Counts(), OffPolicyMetrics(), veto]
-    families += [f for f in (weights, rejection) if f is not None]
-
-    is_weights = torch.empty_like(response_mask, dtype=torch.float32) if weights is not None else None
+    plan = plan_for(config)
+    device = old_log_prob.device
+    plan.prepare(device)
+    old, rollout = old_log_prob.detach().float(), rollout_log_prob.detach().float()
+    seg = (Segments.padded(old.shape[0]) if cu_seqlens is None
+           else Segments.packed(cu_seqlens, old.numel(), device))
+    weights = torch.empty_like(old) if plan.weights is not None else None
     # Without a rule that can reject, the padded output mask is the input mask: nothing to write.
     # (The packed one still drops the tokens after cu_seqlens[-1].)
-    can_reject = rejection is not None or veto.log_threshold is not None or cu_seqlens is not None
-    keep = torch.empty_like(response_mask, dtype=torch.float32) if can_reject else None
-    row_partials, seg = [], None
-    for rows in _row_blocks(response_mask, cu_seqlens):
-        # The block's float mask is written straight into the output mask's rows.
-        tok = _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows,
-                       mask_out=keep[rows] if keep is not None else None)
-        for family in families:
-            family.rows_phase(tok)
-        row_partials.append(tok.rows)
-        if is_weights is not None:
-            weights.token_part(tok, out=is_weights[rows])
-        if rejection is not None:
-            keep[rows] = rejection.token_keep(tok)
-        seg = tok.seg
-
-    if len(row_partials) > 1:
-        seg = Segments.padded(response_mask.shape[0])
-    ctx = Context(seg, None, None, None, rows=Partials.concat_rows(row_partials))
-    ctx.rows.all_reduce(cp_group)
-    for family in families:
-        family.batch_phase(ctx)
-    ctx.totals.all_reduce(dp_group)
-    metrics: dict[str, torch.Tensor] = {}
-    for family in families[1:]:
-        metrics.update(family.metrics(ctx))
-
-    if is_weights is not None:
-        weights.finish_(is_weights, ctx)
-    keep_row = _sequence_decisions(rejection, veto)
-    if keep_row is not None:
-        keep.mul_(seg.to_tokens(keep_row.float()))
-    if keep is None:
-        out_mask = response_mask
-    else:
-        out_mask = keep != 0 if response_mask.dtype == torch.bool else keep.to(response_mask.dtype)
+    keep = torch.empty_like(response_mask) if plan.rejects or cu_seqlens is not None else None
+    stats = torch.empty(len(plan.tokens.stat_names), seg.num_rows, dtype=torch.float64, device=device)
+    _token_phase(plan, old, rollout, response_mask, seg, stats, weights, keep)
+    _all_reduce(stats[:plan.tokens.num_sums], dist.ReduceOp.SUM, cp_group)
+    _all_reduce(stats[plan.tokens.num_sums:], dist.ReduceOp.MAX, cp_group)
+    zbuf, series = plan.rows.run(stats, lambda t: _all_reduce(t, dist.ReduceOp.MAX, dp_group),
+                                 lambda t: _all_reduce(t, dist.ReduceOp.SUM, dp_group))
+    values, metrics = plan.metrics.run(zbuf)
+    if weights is not None:
+        _finish_weights(plan, weights, values, series, seg)
+    if plan.sequence_rejects:
+        torch.gt(keep, seg.to_tokens(plan.rows.any_row(series, REJECTED)), out=keep)
     return CorrectionResult(
-        is_weights=is_weights,
-        response_mask=out_mask,
-        metrics=_float32_metrics(metrics),
+        is_weights=weights,
+        response_mask=response_mask if keep is None else keep,
+        metrics={METRIC_PREFIX + name: value for name, value in metrics.items()},
     )
 
 
-def _float32_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """"rollout_corr/<name>" -> 0-d float32, converted in one op rather than one per metric
-    (each op is a kernel launch on a GPU)."""
-    if not metrics:
-        return {}
-    values = torch.stack([value.to(torch.float64) for value in metrics.values()]).float()
-    return {METRIC_PREFIX + name: value for name, value in zip(metrics, values.unbind())}
+def _token_phase(plan: Plan, old, rollout, response_mask, seg: Segments, stats, weights, keep) -> None:
+    """Phase 1 over blocks of rows; also writes what the outputs need of each block: the token
+    IS weights, or the mask (the tokens the token rules keep) for the later sequence factors."""
+    tp, num_sums = plan.tokens, plan.tokens.num_sums
+    blocks = _row_blocks(response_mask, seg.offsets)
+    sizes = [len(range(*rows.indices(old.shape[0]))) for rows in blocks]
+    if not seg.is_packed and not max(sizes):
+        return
+    shape = old.shape if seg.is_packed else (max(sizes), old.shape[1])
+    buffers = tp.new_buffers(old, tuple(shape))
+    m = tp.at("m")
+    kept = tp.at("kept") if plan.token_rules else m
+    for rows, size in zip(blocks, sizes):
+        basis, max_values = (x if x is None or seg.is_packed else x[:, :size] for x in buffers)
+        tp.fill(old[rows], rollout[rows], response_mask[rows], basis, seg)
+        seg.row_sums(basis, basis[m], stats[:num_sums, rows])
+        maxima = tp.maxima(basis, max_values)
+        seg.row_maxes(maxima, stats[num_sums:, rows])
+        if keep is not None:
+            keep[rows].copy_(basis[kept])
+        if weights is None:
+            continue
+        if plan.weights.level == "token":
+            plan.weights.token_weights(basis[tp.at("rho")], maxima[2] if tp.pairs else None, basis[m], weights[rows])
+        else:
+            weights[rows].copy_(basis[m])
 
 
-def _sequence_decisions(rejection: Rejection | None, veto: Veto) -> torch.Tensor | None:
-    """bool [rows]: sequences kept by the sequence-level rules and the veto (None: no such rule)."""
-    decisions = []
-    if rejection is not None and rejection.row_rules:
-        decisions.append(rejection.keep_row)
-    if veto.log_threshold is not None:
-        decisions.append(veto.keep_row)
-    if not decisions:
-        return None
-    return decisions[0] if len(decisions) == 1 else decisions[0] & decisions[1]
+def _finish_weights(plan: Plan, weights, values, series, seg: Segments) -> None:
+    factor, inverse, iw = plan.factor_index(), plan.inverse_index(), plan.weights
+    row = None if iw.weight_row is None else plan.rows.z_row(series, iw.weight_row)
+    iw.finish(weights, None if factor is None else values[factor], None if inverse is None else values[inverse],
+              row, seg.to_tokens)
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
+    """In place over `group` (nothing for None or a group of one, or an empty tensor)."""
+    if group is None or dist.get_world_size(group) == 1 or tensor.numel() == 0:
+        return
+    if tensor.is_contiguous():
+        dist.all_reduce(tensor, op=op, group=group)
+    else:
+        buffer = tensor.contiguous()
+        dist.all_reduce(buffer, op=op, group=group)
+        tensor.copy_(buffer)
 
 
 def _row_blocks(response_mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[slice]:
-    """Blocks of rows for the token phases. On a CPU the padded layout is processed a few hundred
-    thousand tokens at a time: the temporaries then stay in cache and are reused by the allocator
-    instead of being page-faulted in afresh for every op, which roughly halves the time.
-    GPUs, and the packed layout, take the batch in one block."""
+    """Blocks of rows for the token phase. On a CPU the padded layout is processed a few hundred
+    thousand tokens at a time: the buffers then stay in cache and are reused for every block
+    instead of being page-faulted in afresh. GPUs, and the packed layout, take the batch in one
+    block."""
     if cu_seqlens is not None or response_mask.device.type != "cpu" or response_mask.dim() != 2:
         return [slice(None)]
     num_rows, row_len = response_mask.shape
@@ -136,25 +146,3 @@ def _row_blocks(response_mask: torch.Tensor, cu_seqlens: torch.Tensor | None) ->
     if rows_per_block >= num_rows:
         return [slice(None)]
     return [slice(r, min(r + rows_per_block, num_rows)) for r in range(0, num_rows, rows_per_block)]
-
-
-def _context(old_log_prob, rollout_log_prob, response_mask, cu_seqlens, rows: slice,
-             mask_out: torch.Tensor | None) -> Context:
-    """The block's token tensors. `mask_out`: where to write the float mask (None: anywhere; a
-    float32 0/1 input mask is then used as it is, read-only)."""
-    old_log_prob, rollout_log_prob, response_mask = old_log_prob[rows], rollout_log_prob[rows], response_mask[rows]
-    if mask_out is None and response_mask.dtype == torch.float32:
-        mask = response_mask
-    else:
-        mask_out = torch.empty_like(response_mask, dtype=torch.float32) if mask_out is None else mask_out
-        mask = torch.ne(response_mask, 0, out=mask_out)
-    if cu_seqlens is None:
-        seg = Segments.padded(mask.shape[0])
-    else:
-        seg = Segments.packed(cu_seqlens, mask.numel(), mask.device)
-        # Tokens after cu_seqlens[-1] belong to no sequence: they never count.
-        mask = mask.mul_(seg.row_of_token < seg.num_rows)  # mask_out: the packed layout always has one
-    log_ratio = finite(old_log_prob.detach().float() - rollout_log_prob.detach().float(), inplace=True).mul_(mask)
-    return Context(seg=seg, mask=mask, log_ratio=log_ratio,
-                   clamped=log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND),
-                   rollout_log_prob=rollout_log_prob.detach())

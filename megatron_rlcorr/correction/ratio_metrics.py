@@ -2,105 +2,104 @@
 
 For a ratio v (the IS weight before truncation, or the RS statistic r) with marks hi/lo:
 token level uses v_t = exp(clamp20(lr_t)); sequence levels use v_i = exp(clamp20(L_i)) with L_i
-the sequence's log-ratio sum (sequence) or mean (geometric). Token sums are accumulated around a
-per-row shift and sequence values in float64, so that spreads and tiny ratios keep their digits.
+the sequence's log-ratio sum (seq_sum) or mean (seq_mean). w = clamp(v, lo, hi) feeds std and
+eff_sample_size; the `seq_*` metrics describe the per-sequence value s_i (the row mean of v_t at
+token level, v_i at sequence levels).
+
+Sequence values are carried as s - 1 (and 1/s - 1), exp(.) as expm1, so that values near 1 keep
+their digits; the minimum of a positive value is 1 / the maximum of its inverse.
 """
 from __future__ import annotations
 
 import math
-from typing import Literal
 
-import torch
+from .builder import N, N1, RHO, S, Builder
+from .linear import ONE, ZERO, Lin
+from .metrics import Formula, ratio, variance
+from .tokens import LOG_RATIO_BOUND, at_least
 
-from .context import LOG_RATIO_BOUND, Context, finite_or_zero, max_all, min_all
-
-RatioLevel = Literal["token", "seq_sum", "seq_mean"]
+EPS_ESS = 1e-8
 
 
-class RatioMetrics:
-    def __init__(self, prefix: str, level: RatioLevel, hi: float, lo: float) -> None:
-        self.prefix, self.level, self.hi, self.lo = prefix, level, hi, lo
+def declare_token(b: Builder, prefix: str, hi: float, lo: float) -> None:
+    """v_t = rho_t: token sums and extremes from the token phase."""
+    rows, tok = b.rows, b.tok
+    w_sum, w2_sum = tok.w(lo, hi)
+    v_sum, w, w2 = rows.add(RHO), rows.add(w_sum), rows.add(w2_sum)
+    above_hi = rows.add(tok.above("rho", hi))
+    below_lo = rows.add(N - tok.above("rho", at_least(lo)))
+    v_max, inv_v_max = rows.add(Lin.of("max:rho")), rows.add(Lin.of("max:inv_rho"))
+    s_minus_1 = rows.add(RHO - N, N1, above=hi - 1.0)    # s = row mean of rho
+    one_minus_s = rows.add(N - RHO, N1, above=1.0 - lo)
+    tokens, seqs = b.tokens, b.seqs
+    metrics = {
+        "mean": b.token_mean(b.per_seq(v_sum)),
+        "max": b.extreme(rows.maximum(v_max)),
+        "min": ratio(ONE, rows.maximum(inv_v_max)),
+        "std": variance(b.per_seq(w2), b.per_seq(w), tokens),
+        "eff_sample_size": _ess(b.per_seq(w) + EPS_ESS * tokens, b.per_seq(w2), tokens),
+        "ratio_fraction_high": b.token_mean(b.per_seq(above_hi)),
+        "ratio_fraction_low": b.token_mean(b.per_seq(below_lo)),
+    }
+    low_max = rows.maximum(one_minus_s)
+    _declare(b, prefix, metrics, s_minus_1, one_minus_s, seq_min=b.extreme(1.0 - low_max),
+             deviation_low=b.extreme(low_max))
 
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}{name}"
 
-    def log_ratio_row(self, ctx: Context) -> torch.Tensor:
-        """float64 L_i of a sequence level."""
-        return ctx.log_ratio_sum_row if self.level == "seq_sum" else ctx.log_ratio_mean_row
+def declare_sequence(b: Builder, prefix: str, level: str, hi: float, lo: float) -> None:
+    """v_i = exp(clamp20(L_i)), L_i = S_i (seq_sum) or S_i / n_i (seq_mean)."""
+    rows = b.rows
+    div = N1 if level == "seq_mean" else ONE
+    bound = LOG_RATIO_BOUND
+    log_w_lo, log_w_hi = max(math.log(lo), -bound), min(math.log(hi), bound)
+    above_hi = rows.add(S, div, above=math.log(hi))
+    below_lo = rows.add(-S, div, above=-math.log(lo))
+    v_max = rows.add(S, div, hi=bound, expm1=True)           # exp(min(L, 20)) - 1
+    inv_v_max = rows.add(-S, div, expm1=True)                # exp(-L) - 1
+    s_minus_1 = rows.add(S, div, lo=-bound, hi=bound, expm1=True, above=hi - 1.0)
+    inv_s_minus_1 = rows.add(-S, div, lo=-bound, hi=bound, expm1=True, above=1.0 / lo - 1.0)
+    w = rows.add(S, div, lo=log_w_lo, hi=log_w_hi, expm1=True)                 # w - 1
+    w2 = rows.add(2.0 * S, div, lo=2 * log_w_lo, hi=2 * log_w_hi, expm1=True)  # w^2 - 1
+    tokens = b.tokens
+    w_sum = b.per_token(w) + tokens                                 # sum over tokens of w
+    w2_sum = b.per_token(w2) + tokens
+    metrics = {
+        "mean": b.token_mean(b.per_token(s_minus_1) + tokens),
+        "max": b.extreme(rows.maximum(v_max) + 1.0),
+        "min": ratio(ONE, rows.maximum(inv_v_max) + 1.0),
+        # sum of (w - 1)^2 = sum of (w^2 - 1) - 2 (w - 1), around 1 where the values sit
+        "std": variance(b.per_token(w2) - 2.0 * b.per_token(w), b.per_token(w), tokens),
+        "eff_sample_size": _ess(w_sum + EPS_ESS * tokens, w2_sum, tokens),
+        "ratio_fraction_high": b.seq_mean(b.per_seq(f"ind:{above_hi}")),
+        "ratio_fraction_low": b.seq_mean(b.per_seq(f"ind:{below_lo}")),
+    }
+    inv_max = rows.maximum(inv_s_minus_1)   # min s = 1 / max(1/s); 1 - min s = x / (1 + x)
+    _declare(b, prefix, metrics, s_minus_1, inv_s_minus_1, seq_min=ratio(ONE, inv_max + 1.0),
+             deviation_low=Formula(inv_max, inv_max + 1.0))
 
-    def rows_phase(self, ctx: Context) -> None:
-        if self.level != "token":
-            return  # sequence levels need only S_i and n_i, which every call reduces
-        rows, key, v = ctx.rows, self._key, ctx.ratio_tok
-        v_min, v_max = ctx.ratio_row_extremes
-        v_sum = ctx.row_sum_zero_masked(ctx.ratio_tok_masked)  # float32 sums keep tiny ratios' relative precision
-        # The spread of the clamped ratio is summed around the row's largest ratio so that nearly
-        # equal values (all close to 1, or all clamped to one bound) do not cancel in float32.
-        w_tok = torch.clamp(v, self.lo, self.hi, out=ctx.scratch)
-        w_sum, w2_sum = ctx.row_moments(w_tok, v_max.clamp(self.lo, self.hi), scratch=True)
-        rows.add_sum(key("v"), v_sum)
-        rows.add_sum(key("w"), w_sum)
-        rows.add_sum(key("w2"), w2_sum)
-        # v = 1 at masked positions: only a bound on the wrong side of 1 needs the mask.
-        rows.add_sum(key("hi"), ctx.row_count(torch.gt, v, self.hi, zero_masked=self.hi >= 1.0))
-        rows.add_sum(key("lo"), ctx.row_count(torch.lt, v, self.lo, zero_masked=self.lo <= 1.0))
-        rows.add_max(key("max"), v_max)
-        rows.add_min(key("min"), v_min)
 
-    def batch_phase(self, ctx: Context) -> None:
-        rows, totals, key, n = ctx.rows, ctx.totals, self._key, ctx.n_row
-        if self.level == "token":
-            for name in ("v", "w", "w2", "hi", "lo"):
-                totals.add_sum(key(name), rows.sum(key(name)).sum())
-            totals.add_max(key("max"), max_all(rows.max(key("max"))))
-            totals.add_min(key("min"), min_all(rows.min(key("min"))))
-            seq_value = rows.sum(key("v")) / n.clamp(min=1)  # s_i, the row mean ratio
+def _ess(shifted_total: Lin, square_total: Lin, tokens: Lin) -> Formula:
+    """(mean w + 1e-8)^2 / mean w^2 = a^2 / (tokens * sum w^2), a = sum w + 1e-8 tokens: the
+    product term of a Formula with a negated denominator."""
+    return Formula(ZERO, ONE, shifted_total, tokens, shifted_total, -square_total)
+
+
+def _declare(b: Builder, prefix: str, metrics: dict[str, Formula], s_minus_1: str, low_row: str,
+             seq_min: Formula, deviation_low: Formula) -> None:
+    """The family's metrics: `metrics`, then the `seq_*` ones of s - 1 (low_row: the row whose
+    indicator is s < lo; seq_min and 1 - seq_min given)."""
+    rows, seqs = b.rows, b.seqs
+    for name, value in metrics.items():
+        if name == "eff_sample_size":  # 1 for a batch without tokens
+            b.metric(prefix + name, value, default=1.0, cond=b.tokens)
         else:
-            log_v = self.log_ratio_row(ctx)
-            seq_value = log_v.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()  # float64: tiny ratios keep their digits
-            w = seq_value.clamp(self.lo, self.hi)
-            totals.add_sum(key("v"), (n * seq_value).sum())
-            totals.add_sum(key("w"), (n * w).sum())
-            totals.add_sum(key("w2"), (n * w * w).sum())
-            totals.add_sum(key("hi"), ctx.sum_rows(log_v > math.log(self.hi)))
-            totals.add_sum(key("lo"), ctx.sum_rows(log_v < math.log(self.lo)))
-            totals.add_max(key("max"), ctx.max_rows(log_v))
-            totals.add_min(key("min"), ctx.min_rows(log_v))
-        seq_dev = seq_value - 1.0
-        ctx.add_centred_moments(key("seq_dev"), seq_dev, torch.ones_like(n))
-        totals.add_sum(key("seq_hi"), ctx.sum_rows(seq_value > self.hi))
-        totals.add_sum(key("seq_lo"), ctx.sum_rows(seq_value < self.lo))
-        totals.add_max(key("seq_max"), ctx.max_rows(seq_value))
-        totals.add_min(key("seq_min"), ctx.min_rows(seq_value))
-        totals.add_max(key("seq_max_deviation"), ctx.max_rows(seq_dev.abs()))
-
-    def metrics(self, ctx: Context) -> dict[str, torch.Tensor]:
-        t, key, tokens, seqs = ctx.totals, self._key, ctx.num_tokens, ctx.num_rows
-        per_frac = ctx.per_token if self.level == "token" else ctx.per_row
-        if self.level == "token":  # extremes of the token ratio exp(clamp20(lr))
-            v_max, v_min = t.max(key("max")), t.min(key("min"))
-        else:  # extremes of the unclamped sequence log-ratio (the seed's definition)
-            v_max = t.max(key("max")).clamp(max=LOG_RATIO_BOUND).exp()
-            v_min = t.min(key("min")).exp()
-        mean_w = ctx.per_token(t.sum(key("w")))  # float64: the spread below cancels safely
-        mean_w2 = ctx.per_token(t.sum(key("w2")))
-        variance = (mean_w2 - mean_w * mean_w).clamp(min=0.0)
-        seq_dev = t.sum(key("seq_dev/s"))
-        seq_var = ctx.centred_sum_of_squares(key("seq_dev"), seqs) / (seqs - 1).clamp(min=1)
-        out = {
-            "mean": ctx.per_token(t.sum(key("v"))),
-            "max": finite_or_zero(v_max),
-            "min": finite_or_zero(v_min),
-            "std": torch.where(tokens > 1, variance.sqrt(), 0.0),
-            "eff_sample_size": torch.where(tokens > 0, (mean_w + 1e-8) ** 2 / mean_w2.clamp(min=1e-300), 1.0),
-            "ratio_fraction_high": per_frac(t.sum(key("hi"))),
-            "ratio_fraction_low": per_frac(t.sum(key("lo"))),
-            "seq_mean": torch.where(seqs > 0, 1.0 + ctx.per_row(seq_dev), 0.0),
-            "seq_std": torch.where(seqs > 1, seq_var.sqrt(), 0.0),
-            "seq_max": finite_or_zero(t.max(key("seq_max"))),
-            "seq_min": finite_or_zero(t.min(key("seq_min"))),
-            "seq_max_deviation": finite_or_zero(t.max(key("seq_max_deviation"))),
-            "seq_fraction_high": ctx.per_row(t.sum(key("seq_hi"))),
-            "seq_fraction_low": ctx.per_row(t.sum(key("seq_lo"))),
-        }
-        return {key(name): value for name, value in out.items()}
+            b.metric(prefix + name, value)
+    d = f"dev:{s_minus_1}"
+    high_max = rows.maximum(s_minus_1)
+    b.metric(prefix + "seq_mean", b.seq_mean(b.per_seq(s_minus_1) + seqs))
+    b.metric(prefix + "seq_std", variance(rows.total(d, d), b.per_seq(d), seqs, seqs - 1.0))
+    b.metric(prefix + "seq_max", b.extreme(high_max + 1.0))
+    b.metric(prefix + "seq_min", seq_min)
+    b.metric(prefix + "seq_max_deviation", b.extreme(high_max), other=deviation_low)
+    b.metric(prefix + "seq_fraction_high", b.seq_mean(b.per_seq(f"ind:{s_minus_1}")))
+    b.metric(prefix + "seq_fraction_low", b.seq_mean(b.per_seq(f"ind:{low_row}")))

@@ -129,76 +129,102 @@ def policy_loss(
     if kl is not None and kl.enabled and (ref_log_prob is None or ref_log_prob.shape != log_prob.shape):
         raise ValueError("the KL loss needs ref_log_prob, shaped like log_prob")
     mask = loss_mask != 0
-    adv = _masked(advantages, mask)
+    zero = log_prob.new_zeros((), dtype=torch.float32)  # one constant for every masking below
+    adv = _masked(advantages, mask, zero)
+    # where() before any arithmetic: garbage at masked positions gets neither value nor gradient.
+    lp = _masked(log_prob, mask, zero)
     metrics: dict[str, MetricPartial] = {}
     num_valid = mask.sum(dtype=torch.float32)
+    aggregate = _Aggregation(cfg.loss_agg_mode, normalizer, cu_seqlens)
 
-    log_ratio = None
+    clamped = None
     if old_log_prob is not None:
-        # where() before any arithmetic: garbage at masked positions gets neither value nor gradient.
-        log_ratio = _masked(log_prob, mask) - _masked(old_log_prob, mask)
-        # verl's ppo_kl: of the log-ratio clamped as the PPO ratio uses it
-        clamped = log_ratio.detach().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        metrics["ppo_kl"] = (-clamped.sum(), num_valid)
+        # The log-ratio clamped as the PPO ratio uses it; verl's ppo_kl is its mean.
+        clamped = (lp - _masked(old_log_prob, mask, zero)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        metrics["ppo_kl"] = (-clamped.detach().sum(), num_valid)
 
     if cfg.loss_type == "ppo_clip":
-        loss_tok, clip_active, dual_clip_active = _ppo_clip(log_ratio, adv, cfg)
-        metrics["pg_clipfrac"] = ((clip_active & mask).sum(dtype=torch.float32), num_valid)
-        metrics["pg_clipfrac_lower"] = ((dual_clip_active & mask).sum(dtype=torch.float32), num_valid)
+        loss_tok, clip_active, dual_clip_active = _ppo_clip(clamped, adv, cfg)
+        # Both are false at masked positions, where the advantage is 0 and the ratio 1.
+        clipped = torch.stack([clip_active, dual_clip_active]).flatten(1).sum(-1, dtype=torch.float32)
+        metrics["pg_clipfrac"] = (clipped[0], num_valid)
+        metrics["pg_clipfrac_lower"] = (clipped[1], num_valid)
     else:
-        loss_tok = -adv * _masked(log_prob, mask)
+        loss_tok = -adv * lp
     if is_weights is not None:
-        loss_tok = loss_tok * _masked(is_weights.detach(), mask)
+        loss_tok = loss_tok * _masked(is_weights.detach(), mask, zero)
 
-    loss = aggregate_loss(loss_tok, cfg.loss_agg_mode, normalizer, cu_seqlens=cu_seqlens)
+    loss = aggregate(loss_tok)
     terms = {"pg_loss": loss.detach()}
     if entropy is not None:
-        entropy_tok = _masked(entropy, mask)
-        metrics["entropy"] = (entropy_tok.detach().sum(), num_valid)
+        entropy_sum, entropy_agg = aggregate.with_sum(_masked(entropy, mask, zero))
+        metrics["entropy"] = (entropy_sum.detach(), num_valid)
         if cfg.entropy_coeff != 0.0:
-            entropy_loss = -cfg.entropy_coeff * aggregate_loss(entropy_tok, cfg.loss_agg_mode, normalizer,
-                                                               cu_seqlens=cu_seqlens)
+            entropy_loss = -cfg.entropy_coeff * entropy_agg
             loss, terms["entropy_loss"] = loss + entropy_loss, entropy_loss.detach()
     if kl is not None and kl.enabled:
-        # Both sides masked first: k2's gradient d * upstream would carry a masked NaN even with 0 upstream.
-        kl_tok = torch.where(mask, kl_penalty(_masked(log_prob, mask), _masked(ref_log_prob, mask), kl.type), 0.0)
-        kl_value = aggregate_loss(kl_tok, cfg.loss_agg_mode, normalizer, cu_seqlens=cu_seqlens)
+        # Both sides masked first: k2's gradient d * upstream would carry a masked NaN even with 0
+        # upstream. Every estimator is exactly 0 where log_prob == ref_log_prob: masked tokens add 0.
+        kl_value = aggregate(kl_penalty(lp, _masked(ref_log_prob, mask, zero), kl.type))
         loss, terms["kl_loss"] = loss + kl.coef * kl_value, kl_value.detach()
     return PolicyLossOutput(loss, metrics, terms)
 
 
-def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor,
+def _ppo_clip(clamped_log_ratio: torch.Tensor, adv: torch.Tensor,
               cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate loss, and where the clip and the dual clip are active."""
-    ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    ratio = clamped_log_ratio.exp()
+    neg_adv = -adv
+    unclipped = neg_adv * ratio
+    clipped = neg_adv * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     loss_tok = torch.maximum(unclipped, clipped)
     clip_active = clipped > unclipped
     if cfg.clip_ratio_c is None:
         return loss_tok, clip_active, torch.zeros_like(clip_active)
     # Dual clip: a negative advantage with a huge ratio would otherwise give an unbounded loss.
-    cap = -adv * cfg.clip_ratio_c
+    cap = neg_adv * cfg.clip_ratio_c
     negative = adv < 0
     dual_clip_active = negative & (loss_tok > cap)
     loss_tok = torch.where(negative, torch.minimum(loss_tok, cap), loss_tok)
     return loss_tok, clip_active, dual_clip_active
 
 
+class _Aggregation:
+    """`aggregate_loss` of several per-token quantities of one micro-batch, the normaliser's
+    denominators computed once."""
+
+    def __init__(self, agg_mode: LossAggMode, normalizer: LossNormalizer,
+                 cu_seqlens: torch.Tensor | None = None) -> None:
+        self.agg_mode, self.cu_seqlens = agg_mode, cu_seqlens
+        count = normalizer.num_tokens if agg_mode == "token-mean" else normalizer.num_seqs
+        self.denominator = _denominator(count)
+        if agg_mode == "seq-mean-token-sum-norm":
+            self.denominator = self.denominator * normalizer.token_scale
+        if agg_mode == "seq-mean-token-mean":
+            self.token_counts = _denominator(normalizer.seq_token_counts)
+
+    def __call__(self, loss_tok: torch.Tensor) -> torch.Tensor:
+        """Sum of a per-token quantity (already 0 at masked positions) over the micro-batch,
+        divided by the mini-batch normaliser (float32, like loss_tok)."""
+        if self.agg_mode != "seq-mean-token-mean":
+            # sum_i sum_t l_it is the plain sum: no per-sequence pass needed.
+            return loss_tok.sum() / self.denominator
+        per_seq = sequence_sums(loss_tok, self.cu_seqlens) / self.token_counts
+        return per_seq.sum() / self.denominator
+
+    def with_sum(self, loss_tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the plain sum over the micro-batch, the aggregate), one sum where the mode allows."""
+        if self.agg_mode != "seq-mean-token-mean":
+            total = loss_tok.sum()
+            return total, total / self.denominator
+        return loss_tok.sum(), self(loss_tok)
+
+
 def aggregate_loss(loss_tok: torch.Tensor, agg_mode: LossAggMode, normalizer: LossNormalizer, *,
                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of a per-token quantity (already 0 at masked positions) over the micro-batch, divided
     by the mini-batch normaliser of `agg_mode`."""
-    if agg_mode == "token-mean":
-        return loss_tok.sum() / _denominator(normalizer.num_tokens, loss_tok)
-    if agg_mode == "seq-mean-token-sum":
-        # sum_i sum_t l_it is the plain sum: no per-sequence pass needed.
-        return loss_tok.sum() / _denominator(normalizer.num_seqs, loss_tok)
-    if agg_mode == "seq-mean-token-sum-norm":
-        return loss_tok.sum() / (_denominator(normalizer.num_seqs, loss_tok) * normalizer.token_scale)
-    per_seq = sequence_sums(loss_tok, cu_seqlens)
-    per_seq = per_seq / _denominator(normalizer.seq_token_counts, loss_tok)
-    return per_seq.sum() / _denominator(normalizer.num_seqs, loss_tok)
+    return _Aggregation(agg_mode, normalizer, cu_seqlens)(loss_tok)
 
 
 def aggregate_over_batch(values_BT: torch.Tensor, mask_BT: torch.Tensor, agg_mode: LossAggMode, *,
@@ -311,14 +337,15 @@ def reduce_metric_partials(
 
 # ---- helpers ----
 
-def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, x.float(), 0.0)
+def _masked(x: torch.Tensor, mask: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x.float(), zero)
 
 
-def _denominator(count: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def _denominator(count: torch.Tensor | None) -> torch.Tensor:
+    """A float32 count, at least 1 (the per-token quantities are float32)."""
     assert count is not None, "normalizer lacks the count this loss_agg_mode needs"
     # A zero count only comes with a zero numerator (nothing valid): the loss is then exactly 0.
-    return count.to(like.dtype).clamp(min=1.0)
+    return count.to(torch.float32).clamp(min=1.0)
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -1,4 +1,5 @@
-"""tools/bench_correction.py: its baseline agrees with the library, and its size argument parses."""
+"""tools/bench_correction.py: its baseline agrees with the library, its size argument parses, and
+its kernel counter (tools/op_count.py) counts; the correction stays within its kernel budget."""
 import importlib.util
 from pathlib import Path
 
@@ -52,6 +53,46 @@ def test_table_with_the_bandwidth_floor(capsys):
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert set(rows) == set(bench.SETTINGS)
     for cells in rows.values():
-        tokens, base_ms, ours_ms, speedup, floor_ms, ratio = cells[1:]
-        assert int(tokens) == 8192 and float(base_ms) > 0 and float(ours_ms) > 0 and float(floor_ms) > 0
+        tokens, kernels, base_ms, ours_ms, speedup, floor_ms, ratio = cells[1:]
+        assert int(tokens) == 8192 and int(kernels) > 0
+        assert float(base_ms) > 0 and float(ours_ms) > 0 and float(floor_ms) > 0
         assert speedup.endswith("x") and ratio.endswith("x")
+
+
+# ---- kernel counts (tools/op_count.py) --------------------------------------------------------
+
+def test_counter_counts_the_leaves_that_do_work():
+    """Views, allocations and no-op casts launch nothing; a cast that converts, an arithmetic op
+    and each op inside a composite do."""
+    x, y = torch.rand(4, 8), torch.rand(4, 8)
+    mask = x > 0.5
+
+    def known():
+        z = torch.mul(x, y).view(32).unsqueeze(0).expand(2, 32)   # mul
+        torch.empty(3), torch.empty_like(x), x.to(torch.float32), x.t(), x.detach()  # nothing
+        z = torch.add(z, z)                                        # add
+        torch.where(mask, x, 0.0)                                  # scalar_tensor + where
+        return z.to(torch.float64)                                 # copy_
+
+    counts = bench.op_count.count_ops(known)
+    assert counts == {"aten::mul": 1, "aten::add": 1, "aten::scalar_tensor": 1, "aten::where": 1, "aten::copy_": 1}
+
+
+@pytest.mark.parametrize("setting, limit, metrics", [("token_is", 32, 29), ("dapo", 48, 46)])
+def test_kernels_per_call(setting, limit, metrics):
+    """One call with every metric launches at most `limit` kernels (issue 31: 274 and 449 before,
+    by this counter)."""
+    cfg = bench.SETTINGS[setting]
+    old, rollout, mask = bench.make_inputs(2 * bench.SEQ_LEN, torch.device("cpu"))
+    assert len(bench.compute_rollout_correction(old, rollout, mask, cfg).metrics) == metrics
+    assert sum(bench.count_correction_ops(cfg).values()) <= limit
+
+
+def test_count_ops_option_prints_every_call(capsys):
+    bench.main(["--count-ops"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line[:36].strip(): int(line[36:44]) for line in lines[2:]}
+    assert set(rows) == ({f"correction {name}" for name in bench.SETTINGS}
+                         | {f"loss {mode}" + extra for mode in bench.LOSS_AGG_MODES for extra in ("", " +backward")})
+    assert all(count > 0 for count in rows.values())
+    assert rows["correction token_is"] <= 32 and rows["correction dapo"] <= 48
