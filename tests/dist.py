@@ -5,8 +5,10 @@ per-rank results (rank order). A gloo call runs in the session's pool of `world_
 (tests/dist_pool.py: spawned once per world size, state checked clean after every case);
 `fresh=True` spawns new processes for one call (a test whose libraries keep process-wide state, or
 that sets variables read only at process start), and so does a call made while the test has changed
-sys.path (a stand-in package put first: new processes start with the caller's sys.path), a "nccl"
-call (one GPU each), and every call when RLCORR_TEST_POOL=0 (the harness as it was before the pool,
+the session's sys.path (a stand-in package put first: new processes start with the caller's
+sys.path; entries appended after it do not count: importing Megatron-Core 0.19 appends setuptools'
+vendored packages, which kept the whole 0.19.2 CI subset out of the pool), a "nccl" call (one GPU
+each), and every call when RLCORR_TEST_POOL=0 (the harness as it was before the pool,
 to tell a pool problem from a test's).
 Collectives get a short timeout so a hang fails the test instead of stalling CI; an exception on
 any rank is re-raised here with its traceback.
@@ -69,7 +71,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", fresh: bo
     if _session_sys_path is None:
         record_session_sys_path()
     if backend == "gloo" and not fresh and os.environ.get("RLCORR_TEST_POOL", "1") != "0" \
-            and sys.path == _session_sys_path:
+            and sys.path[:len(_session_sys_path)] == _session_sys_path:
         return _run_in_pool(fn, world_size, args)
     return _run_fresh(fn, world_size, args, backend)
 
@@ -79,7 +81,8 @@ def _run_in_pool(fn, world_size: int, args):
     if pool is None or not pool.alive():
         if pool is not None:
             pool.close(kill=True)
-            pool_stats["replaced"].append(f"{world_size} processes: {'; '.join(pool.worn) or 'a worker died'}")
+            if not pool.worn:
+                pool_stats["replaced"].append(f"{world_size} processes: a worker died between cases")
         pool = Pool(world_size, COLLECTIVE_TIMEOUT)
         pool_stats["started"] += 1
     name = os.environ.get("PYTEST_CURRENT_TEST", fn.__qualname__)
@@ -88,6 +91,8 @@ def _run_in_pool(fn, world_size: int, args):
     except BaseException:  # a failure, a leak, a dead worker, pytest's timeout: the next case gets new processes
         pool.close(kill=True)
         raise
+    if pool.worn:
+        pool_stats["replaced"].append(f"{world_size} processes, worn by {name}: {'; '.join(pool.worn)}")
     _pools[world_size] = pool
     return results
 

@@ -1,5 +1,6 @@
 """The real path end to end on gloo: a Hugging Face checkpoint and a parquet dataset in, RL, a Hugging
-Face checkpoint out; `megatron-rlcorr score` and `export` launched from the CLI under several layouts.
+Face checkpoint out; `megatron-rlcorr score` and `export` launched from the CLI (score on one and two
+ranks from the CLI, under the other layouts through its entry point in the process pool).
 
 The run uses tools/make_tiny_hf.py's files (conftest.py: `tiny_hf`); `score` on a checkpoint of
 tests/hf_models.py is compared with transformers' own float32 log-probs.
@@ -160,15 +161,35 @@ def scoring(tmp_path_factory):
 
 LAYOUTS = {"tp1": ["--nproc", "1"], "tp2": ["parallel.tp=2"], "cp2": ["parallel.cp=2"],
            "pp2": ["parallel.pp=2", "trainer.micro_batch_size=1"], "dp2": ["--nproc", "2", "trainer.micro_batch_size=2"]}
+# Launched from the CLI (torchrun, new processes): the command's contract, on one and on two ranks.
+# The other layouts run score's entry point in the session's 2-process pool: the same code under
+# torchrun's environment, without a launch's start-up (tests/dist_pool.py).
+CLI_LAYOUTS = ("tp1", "tp2")
+
+
+def _score_entry_point(rank, world_size, argv):
+    """`python -m megatron_rlcorr.score ARGV` on this rank: its exit code. The entry point makes the
+    launch's default group itself, as under torchrun, so the pool's is put aside first."""
+    import torch.distributed as dist
+
+    from megatron_rlcorr import score
+
+    dist.destroy_process_group()
+    return score.main(argv)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_score_matches_transformers(scoring, tmp_path, layout):
     checkpoint, rollouts, records, expected = scoring
     out = tmp_path / "out.jsonl"
-    proc = _cli("score", "--model", checkpoint, "--rollouts", rollouts, "--out", out,
-                f"rollout.temperature={TEMPERATURE}", *LAYOUTS[layout])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["--model", str(checkpoint), "--rollouts", str(rollouts), "--out", str(out),
+            f"rollout.temperature={TEMPERATURE}"]
+    if layout in CLI_LAYOUTS:
+        proc = _cli("score", *args, *LAYOUTS[layout])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        overrides = [a for a in LAYOUTS[layout] if a not in ("--nproc", "2")]
+        assert run_distributed(_score_entry_point, 2, [*args, *overrides]) == [0, 0]
     scored = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in scored] == [r["id"] for r in records]  # order and pass-through fields kept
     for record, got, want in zip(records, scored, expected):
