@@ -28,7 +28,9 @@ Failures: an exception on any rank is re-raised in pytest with that rank's trace
 within the collective timeout (tests/dist.py COLLECTIVE_TIMEOUT) on the hung rank, or at pytest's
 own timeout; a worker that dies (a crash, os._exit, a signal) is named with its exit code and the
 test that was running. In each of these cases the whole pool is discarded and the next case of that
-world size gets fresh processes.
+world size gets fresh processes. A worker whose native threads or resident memory grew past what a clean
+tear-down leaves (`_worn`: state a case left that the tear-down does not know) exits after its reply:
+the case passes, and the next one gets fresh processes.
 
 Wire format: the function (by reference: a module-level function of the test module), its
 arguments and the results travel as torch.save bytes over a pipe, as they did through files
@@ -238,11 +240,16 @@ def _break_ddp_hook_cycles() -> None:
             obj.clear()
 
 
+def native_threads() -> int:
+    """This process's threads, as the kernel counts them (gloo's and torch's included)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def _worn(baseline_threads: int) -> str | None:
     """Why this worker should be replaced (the pool then starts new processes for the next case), or
     None: native threads or resident memory grown past what a clean tear-down leaves, from state
     a case left that the tear-down does not know (a cycle like `_break_ddp_hook_cycles`'s)."""
-    threads = len(os.listdir("/proc/self/task"))
+    threads = native_threads()
     if threads > baseline_threads + _SPARE_THREADS:
         return f"{threads} threads (started with {baseline_threads})"
     rss_gib = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
@@ -289,7 +296,7 @@ def worker_main(rank: int, world_size: int, port: int, conn, timeout) -> None:
     _import_the_package()
     fingerprint = _Fingerprint()
     gc.collect()
-    baseline_threads = len(os.listdir("/proc/self/task"))
+    baseline_threads = native_threads()
     gc.freeze()  # what the set-up made stays: each case's collection then scans only the case's objects
     conn.send_bytes(b"ready")
     while True:

@@ -66,13 +66,11 @@ def train_runs_in_env(rank, world_size, runs, env):
     import os
     import sys
 
+    from tests.dist_pool import _apply_env
+
     saved = dict(os.environ)
     try:
-        for name, value in env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _apply_env(env)
         return train_runs(rank, world_size, runs)
     finally:
         if "wandb" in sys.modules:
