@@ -2,7 +2,8 @@
 
 Used by every distributed test: `run_distributed(fn, world_size, *args)` returns the list of
 per-rank results (rank order). A gloo call runs in the session's pool of `world_size` processes
-(tests/dist_pool.py: spawned once per world size, state checked clean after every case);
+(tests/dist_pool.py: started once per world size, forked from a template process that imported
+torch and Megatron-Core, state checked clean after every case);
 `fresh=True` spawns new processes for one call (a test whose libraries keep process-wide state, or
 that sets variables read only at process start), and so does a call made while the test has changed
 the session's sys.path (a stand-in package put first: new processes start with the caller's

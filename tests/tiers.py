@@ -13,7 +13,7 @@ QUICK_DISTRIBUTED = [
     'tests/distributed/test_model_parallel.py::test_pipeline_parallel_2_schedule_matches_reference',
     'tests/distributed/test_model_parallel.py::test_context_parallel_2_padded_and_packed_match_reference',
     'tests/distributed/test_step_parallel.py::test_layout_matches_single_process[dp2]',
-    'tests/distributed/test_moe_parallel.py::test_expert_layouts_train_like_one_process',
+    'tests/distributed/test_routing_replay.py::test_replay_parallel_layout_matches_single_process[pp2_vpp2_ep2]',
 ]
 
 SLOW = [  # measured seconds

@@ -2,12 +2,16 @@
 
     bash tools/test.sh --junitxml=/tmp/suite.xml
     python tools/mark_slow.py /tmp/suite.xml [--budget-s 150]
+    bash tools/test.sh --quick --junitxml=/tmp/quick.xml           # then, to fold in what the quick
+    python tools/mark_slow.py /tmp/suite.xml /tmp/quick.xml        # tier itself measured
 
 The quick tier (`bash tools/test.sh --quick`, `-m "not slow"`) keeps the fastest tests, every
 module's unit tests among them, and the distributed tests named in tests/tiers.py's
 QUICK_DISTRIBUTED (one per parallel family), until their measured seconds add up to --budget-s;
 every other test is marked slow. A test's seconds are JUnit's (set-up, call and tear-down: a
-module's shared fixture is paid by its first test). The measurement's date and machine are written
+module's shared fixture is paid by its first test), the most any of the given runs measured: a
+test that reads a fixture another test paid for in the whole suite pays for it in the quick tier
+when that other test is slow, which only a run of the quick tier shows. The measurement's date and machine are written
 beside the list, so a new measurement replaces the list whole rather than a guess per test.
 """
 from __future__ import annotations
@@ -24,13 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def measured_seconds(junit_xml: Path) -> dict[str, float]:
-    """nodeid -> seconds, for the tests that ran (skipped ones included: they cost nothing)."""
-    out = {}
-    for case in ET.parse(junit_xml).getroot().iter("testcase"):
-        module = case.get("classname", "")
-        path = module.replace(".", "/") + ".py"
-        out[f"{path}::{case.get('name')}"] = float(case.get("time", 0.0))
+def measured_seconds(*junit_xmls: Path) -> dict[str, float]:
+    """nodeid -> seconds, the most any of the runs measured, for the tests that ran (skipped ones
+    included: they cost nothing)."""
+    out: dict[str, float] = {}
+    for junit_xml in junit_xmls:
+        for case in ET.parse(junit_xml).getroot().iter("testcase"):
+            module = case.get("classname", "")
+            nodeid = f"{module.replace('.', '/')}.py::{case.get('name')}"
+            out[nodeid] = max(out.get(nodeid, 0.0), float(case.get("time", 0.0)))
     return out
 
 
@@ -75,13 +81,14 @@ def render(slow: list[str], seconds: dict[str, float], quick_distributed: list[s
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("junit_xml", type=Path)
+    parser.add_argument("junit_xml", type=Path, nargs="+",
+                        help="the whole suite's JUnit XML, then optionally the quick tier's")
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "tiers.py")
     args = parser.parse_args(argv)
     from tests.tiers import QUICK_DISTRIBUTED
 
-    seconds = measured_seconds(args.junit_xml)
+    seconds = measured_seconds(*args.junit_xml)
     missing = [k for k in QUICK_DISTRIBUTED if k not in seconds]
     if missing:
         print(f"error: QUICK_DISTRIBUTED names tests the run did not measure: {missing}", file=sys.stderr)

@@ -198,3 +198,11 @@ def test_a_worker_worn_by_kept_threads_is_replaced_not_failed(pool2):
     pool.run(_keep_groups_alive, (_SPARE_THREADS // 3 + 2,), "keeps groups")  # 3 threads a gloo group
     assert len(pool.worn) == 2 and all("threads" in why for why in pool.worn), pool.worn
     assert not pool.alive()
+
+
+def test_workers_are_forked_from_the_preloaded_template(pool2):
+    """A new pool costs a fork, not an import of torch and Megatron-Core per process
+    (tests/pool_template.py): its workers found the package imported when they started."""
+    pool = pool2()
+    assert pool.preloaded
+    assert pool.run(_count_groups, (), "count") == [dict(groups=1, initialized=False)] * 2  # the default group only

@@ -32,3 +32,9 @@ def test_choose_slow_keeps_the_fastest_within_the_budget_and_the_chosen_ones(tmp
     xml.write_text('<testsuites><testsuite><testcase classname="tests.unit.test_x" name="test_y[a]" time="1.5"/>'
                    '</testsuite></testsuites>')
     assert tool.measured_seconds(xml) == {"tests/unit/test_x.py::test_y[a]": 1.5}
+    # A second run (the quick tier's) adds its tests and raises a test's seconds, never lowers them.
+    quick = tmp_path / "quick.xml"
+    quick.write_text('<testsuites><testsuite><testcase classname="tests.unit.test_x" name="test_y[a]" time="9"/>'
+                     '<testcase classname="tests.unit.test_x" name="test_z" time="0.5"/></testsuite></testsuites>')
+    both = {"tests/unit/test_x.py::test_y[a]": 9.0, "tests/unit/test_x.py::test_z": 0.5}
+    assert tool.measured_seconds(xml, quick) == tool.measured_seconds(quick, xml) == both
