@@ -52,11 +52,13 @@ them.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import queue
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -241,6 +243,27 @@ def _full_state(model_chunks, optimizer, scheduler, groups, common: dict[str, An
 
 # ---- saving -------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _in_process_write_results() -> Iterator[None]:
+    """A synchronous save's write results through an in-process queue. Megatron-Core's file writer
+    gets its results queue from a multiprocessing Manager it spawns on first use, asynchronous or
+    not: a new Python process per rank that imports the launch's main module again (torch and
+    Megatron-Core: seconds per rank) for a queue that a synchronous save fills and reads in this
+    process. The module's queue is put back afterwards, so a later asynchronous save in the same
+    process still gets its Manager's. Where the module has no such queue (another Megatron-Core
+    version), or a Manager's queue exists already, the save uses Megatron-Core's own."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is not None:
+        yield
+        return
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = None
+
+
 class CheckpointWriter:
     """Saves checkpoints, synchronously or in a background process (`async_save`).
 
@@ -279,10 +302,11 @@ class CheckpointWriter:
         kind = _optimizer_kind(optimizer) if optimizer is not None else None
         state = _full_state(model_chunks, optimizer, scheduler, groups, {**common, "optimizer_kind": kind},
                             is_loading=False, with_rng=True, optimizer_format=self.optimizer_format)
-        request = dist_checkpointing.save(state, str(directory), _save_strategy(groups),
-                                          async_sharded_save=self.async_save,
-                                          content_metadata=_content_metadata(groups, self.optimizer_format),
-                                          **async_options(dist_checkpointing.save))
+        with contextlib.nullcontext() if self.async_save else _in_process_write_results():
+            request = dist_checkpointing.save(state, str(directory), _save_strategy(groups),
+                                              async_sharded_save=self.async_save,
+                                              content_metadata=_content_metadata(groups, self.optimizer_format),
+                                              **async_options(dist_checkpointing.save))
         set_rng_state(random_state)  # saving must not change what the run draws next
         if extra is not None:
             extra(directory)

@@ -84,6 +84,13 @@ def _worker(rank, world, layout, directory, mode, batches, optim=None, optimizer
                     common={"data_position": 8}, layout=layout_record)
         out["rand"] = torch.rand(3)
         out["saved"] = weights()
+        if mode == "save":  # no Manager process for a synchronous save's results (checkpoint.py)
+            import multiprocessing
+
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+            out["processes_after_save"] = [p.name for p in multiprocessing.active_children()]
+            out["write_queue_after_save"] = filesystem_async._results_queue
         if mode == "save_async":  # train on while it is written; `latest` moves when it is finished
             out["latest_before_close"] = checkpoint.latest_step(directory)
             train(2)
@@ -128,7 +135,7 @@ def test_checkpoint_files_and_marker(saved):
     inside the .distcp files from 0.19 on) and the record of what wrote them."""
     from megatron_rlcorr.training import checkpoint
 
-    directory, _, _ = saved
+    directory, _, saving_ranks = saved
     step_dir = directory / "checkpoints" / "step_000002"
     names = {p.name for p in step_dir.iterdir()}
     assert {"metadata.json", "layout.json", "checkpoint.json"} <= names and any(n.endswith(".distcp") for n in names)
@@ -138,6 +145,10 @@ def test_checkpoint_files_and_marker(saved):
                                                  "optimizer_format": "fully_reshardable"}
     checkpoint.check_readable(step_dir)  # the installed version reads what it wrote
     assert (directory / "checkpoints" / "latest").read_text().strip() == "2"
+    # The synchronous save wrote through an in-process queue: no Manager process was started for it
+    # (Megatron-Core's own queue would have spawned one per rank), and Megatron-Core's is put back.
+    for rank_out in saving_ranks:
+        assert rank_out["processes_after_save"] == [] and rank_out["write_queue_after_save"] is None
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "pp2vpp2", "tp2dp2", "cp2"])
