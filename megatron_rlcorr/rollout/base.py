@@ -90,8 +90,9 @@ class RolloutConfig:
     the world is cut into rollout groups of `tensor_parallel_size` consecutive ranks, each runs one
     engine (1 for the embedded engine, which holds the whole model on its rank). The vLLM engine
     also reads `gpu_memory_utilization`, `sleep_level` (0: stay resident; 1: weights to host
-    memory during training; 2: drop them, they are re-synced anyway) and `max_model_len` (None:
-    the prompt limit plus `max_new_tokens`).
+    memory during training; 2: drop them, they are re-synced anyway), `max_model_len` (None:
+    the prompt limit plus `max_new_tokens`) and `enforce_eager` (vLLM's own switch: true runs
+    the model eagerly, capturing no CUDA graphs; the embedded engine ignores it).
 
     `policy_lag` K (embedded engine only) emulates asynchronous RL: the engine samples, and reports
     log-probs, with the weights of K steps ago (embedded.EmbeddedEngine), so the rollout
@@ -116,6 +117,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.6  # vLLM: share of GPU memory for its weights and KV cache
     sleep_level: int = 2              # vLLM during training: 0 stay resident, 1 weights to host, 2 drop them
     max_model_len: int | None = None  # vLLM: context length (null: the prompt limit + max_new_tokens)
+    enforce_eager: bool = False       # vLLM: true runs the model eagerly, no CUDA graphs (false: vLLM's default)
     policy_lag: int = 0               # steps the embedded engine's weights lag the trainer's
     placement: Placement = "colocated"  # colocated: every rank generates, then trains | separate: rollout ranks apart
     num_ranks: int | None = None      # separate: the last num_ranks ranks of the launch generate and never train

@@ -10,6 +10,9 @@ Layout. One vLLM worker inside every torchrun rank (`distributed_executor_backen
 ranks into tensor-parallel engines of `rollout.tensor_parallel_size`, exactly our rollout groups
 (rl/rollout_world.py), and every rank of a group is given the same prompts and returns the same
 samples. No Ray, no extra processes; each rank's weights arrive from its own trainer process.
+`rollout.enforce_eager` is passed on as vLLM's `enforce_eager` (true: no CUDA graphs captured).
+Where flashinfer is not installed and VLLM_USE_FLASHINFER_SAMPLER is unset, the adapter sets it
+to 0 before building the engine (`_native_sampler_without_flashinfer`).
 
 Colocation. `enable_sleep_mode`: after generation `sleep(level)` frees the KV cache and, with
 level 1, moves the weights to host memory, with level 2 drops them (they are re-sent after every
@@ -150,7 +153,7 @@ def engine_arguments(cfg: RolloutConfig, model: ModelConfig, *, max_model_len: i
                 max_model_len=max_model_len, seed=seed, enable_sleep_mode=cfg.sleep_level > 0,
                 distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
                 load_format="dummy",  # the trainer's weights arrive by load_weights before any generation
-                worker_extension_cls=_EXTENSION, enable_prefix_caching=True)
+                worker_extension_cls=_EXTENSION, enable_prefix_caching=True, enforce_eager=cfg.enforce_eager)
     if model.moe is not None:
         args["enable_return_routed_experts"] = True
     return args
@@ -260,6 +263,18 @@ def _checkpoint_parameter_names(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name, param in model.named_parameters() if not isinstance(param, KVCacheScaleParameter))
 
 
+def _native_sampler_without_flashinfer() -> None:
+    """VLLM_USE_FLASHINFER_SAMPLER=0 when flashinfer is not installed and the variable is unset; a
+    value the user set is kept, whatever it is."""
+    # flashinfer is optional for vLLM; where a sampler path reads this variable unset, it looks for
+    # FlashInfer's top-k/top-p kernels and falls back with a warning. Which paths read it depends on
+    # the vLLM version and the log-prob mode (with processed_logprobs recent samplers may not), so 0
+    # is set whenever flashinfer is missing. vllm.envs reads the environment when asked, so setting
+    # it before LLM(...) is enough.
+    if importlib.util.find_spec("flashinfer") is None and "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+
+
 @contextlib.contextmanager
 def _process_rng_kept() -> Iterator[None]:
     """Put back the process's RNG states (python, numpy, torch, every CUDA device) afterwards: vLLM's
@@ -286,6 +301,7 @@ class VLLMEngine:
                  device: torch.device | str = "cuda") -> None:
         check_vllm_settings(cfg, model)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher: the worker in this process
+        _native_sampler_without_flashinfer()
         from vllm import LLM
 
         self.cfg, self.device = cfg, torch.device(device)

@@ -51,6 +51,7 @@ TABLE: dict[str, str | tuple[str, ...] | None] = {
     R + "name": "rollout.engine",
     R + "tensor_model_parallel_size": "rollout.tensor_parallel_size",
     R + "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    R + "enforce_eager": "rollout.enforce_eager",
     A + "optim.lr_warmup_steps_ratio": "optim.warmup_steps",
     A + "optim.lr_warmup_steps": "optim.warmup_steps",
     A + "megatron.virtual_pipeline_model_parallel_size": "parallel.vpp",
@@ -60,7 +61,7 @@ TABLE: dict[str, str | tuple[str, ...] | None] = {
     "data.truncation": None, A + "strategy": None, "critic.strategy": None,
     "actor_rollout_ref.model.override_config.max_position_embeddings": None,
     REF + "log_prob_micro_batch_size_per_gpu": None, R + "log_prob_micro_batch_size_per_gpu": None,
-    R + "enable_chunked_prefill": None, R + "max_num_batched_tokens": None, R + "enforce_eager": None,
+    R + "enable_chunked_prefill": None, R + "max_num_batched_tokens": None,
     R + "free_cache_engine": None, R + "mode": None, R + "multi_stage_wake_up": None,
     R + "calculate_log_probs": None, R + "response_length": None,
     **{R + "multi_turn." + k: None for k in ("enable", "max_user_turns", "max_assistant_turns", "tool_config_path",
@@ -95,6 +96,7 @@ WHEN_NOT_MAPPED = {
     R + "name": "ours are embedded and vllm",
     R + "tensor_model_parallel_size": "the embedded engine",
     R + "gpu_memory_utilization": "the embedded engine",
+    R + "enforce_eager": "the embedded engine",
     A + "optim.lr_warmup_steps_ratio": "needs the run's length",
     A + "optim.lr_warmup_steps": "verl then uses",
     A + "router_replay.mode": "R2: ",
@@ -219,6 +221,16 @@ def test_rollout_routing_replay(tmp_path):
     assert import_verl(overrides).tree["rollout"]["routing_replay"] is True
     overrides.write_text(f"{A}router_replay.mode=R3\n")
     assert import_verl(overrides).tree["rollout"]["routing_replay"] is True
+
+
+def test_enforce_eager_is_the_vllm_engines_eager_mode(results, tmp_path):
+    assert results[QWEN3_235B].tree["rollout"]["enforce_eager"] is True        # rollout.name=vllm in the script
+    assert R + "enforce_eager" not in dict(results[QWEN3_235B].unmapped)
+    overrides = tmp_path / "overrides.txt"
+    overrides.write_text(f"{R}name=sglang {R}enforce_eager=True\n")            # the embedded engine here: none
+    result = import_verl(overrides)
+    assert "enforce_eager" not in result.tree.get("rollout", {})
+    assert "the embedded engine" in dict(result.unmapped)[R + "enforce_eager"]
 
 
 def test_r2_router_replay_says_it_has_no_counterpart(results):

@@ -30,6 +30,9 @@ def vllm(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    # set, then removed: the adapter's own setting of it is undone after the test too
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "")
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
     import vllm as standin
 
     standin.CALLS.clear()
@@ -72,13 +75,70 @@ def test_the_llm_is_built_for_colocated_external_launcher_ranks(vllm, tiny_hf):
                           seed=5, enable_sleep_mode=True, distributed_executor_backend="external_launcher",
                           logprobs_mode="processed_logprobs", load_format="dummy",
                           worker_extension_cls="megatron_rlcorr.rollout.vllm_engine.WeightStreamExtension",
-                          enable_prefix_caching=True, enable_return_routed_experts=False)  # dense: not asked for
+                          enable_prefix_caching=True, enable_return_routed_experts=False,  # dense: not asked for
+                          enforce_eager=False)  # vLLM's default: CUDA graphs captured
     import os
 
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert TOKENS < _model(tiny_hf).vocab_size
     assert rest == [("collective_rpc", ("mask_vocab_rows_from", (TOKENS,)))]
     assert engine.weight_dtype == torch.bfloat16
+
+
+def test_enforce_eager_reaches_the_llm_and_is_a_recipe_setting(vllm, tiny_hf, tmp_path):
+    from megatron_rlcorr.recipe import load_recipe
+
+    _engine(tiny_hf, enforce_eager=True)
+    (name, kwargs), *_ = vllm.CALLS
+    assert name == "LLM" and kwargs["enforce_eager"] is True
+    recipe_file = Path(__file__).resolve().parents[2] / "recipes" / "tiny_hf_cpu.yaml"
+    base = _recipe_overrides(tiny_hf, tmp_path)
+    assert load_recipe(recipe_file, base).rollout.enforce_eager is False
+    assert load_recipe(recipe_file, [*base, "rollout.enforce_eager=true"]).rollout.enforce_eager is True
+    with pytest.raises(ValueError, match="rollout.enforce_eager must be true or false, got 'always'"):
+        load_recipe(recipe_file, [*base, "rollout.enforce_eager=always"])
+
+
+def _flashinfer_installed(monkeypatch, installed: bool) -> None:
+    """importlib.util.find_spec as it would answer with flashinfer installed or not (other names as they are)."""
+    import importlib.machinery
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def fake(name, *args, **kwargs):
+        if name == "flashinfer":
+            return importlib.machinery.ModuleSpec("flashinfer", None) if installed else None
+        return find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+
+
+def test_no_flashinfer_sets_the_native_sampler_before_the_llm_is_built(vllm, tiny_hf, monkeypatch):
+    import os
+
+    _flashinfer_installed(monkeypatch, installed=False)
+    engine, _ = _engine(tiny_hf)
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert engine.llm.flashinfer_sampler_env == "0"  # what vLLM reads while LLM(...) builds its sampler
+
+
+@pytest.mark.parametrize("users", ["1", "0"])
+def test_a_users_flashinfer_sampler_setting_is_kept(vllm, tiny_hf, monkeypatch, users):
+    import os
+
+    _flashinfer_installed(monkeypatch, installed=False)
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", users)
+    engine, _ = _engine(tiny_hf)
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == users and engine.llm.flashinfer_sampler_env == users
+
+
+def test_with_flashinfer_installed_the_sampler_is_left_to_vllm(vllm, tiny_hf, monkeypatch):
+    import os
+
+    _flashinfer_installed(monkeypatch, installed=True)
+    engine, _ = _engine(tiny_hf)
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ and engine.llm.flashinfer_sampler_env is None
 
 
 def _moe_checkpoint(tiny_hf, tmp_path):

@@ -2,8 +2,9 @@
 settings, the training dtype, the Megatron layout keys, activation recomputation and offload.
 
 verl's defaults that matter here, where the source leaves a key out: the rollout engine is vLLM
-when the source sets vLLM's settings without naming an engine; a Megatron actor runs with
-sequence parallelism (verl's `megatron.sequence_parallel: true`); the dtype is bf16.
+when the source sets vLLM's tensor-parallel size, memory share or context length without naming an
+engine; a Megatron actor runs with sequence parallelism (verl's `megatron.sequence_parallel: true`);
+the dtype is bf16.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .tables import A, R
 from .values import Bad, pos_int, to_bool, to_float, to_str
 
 _VLLM_SETTINGS = (R + "tensor_model_parallel_size", R + "gpu_memory_utilization", R + "max_model_len")
+_EAGER = R + "enforce_eager"  # mapped with the three above, but on its own it does not make the engine vllm
 _MEGATRON_LAYOUT = {"tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
                     "context_parallel_size": "parallel.cp", "virtual_pipeline_model_parallel_size": "parallel.vpp",
                     "expert_model_parallel_size": "parallel.ep", "expert_tensor_parallel_size": "parallel.etp"}
@@ -38,10 +40,11 @@ def _engine(m: Mapper) -> None:
 
 
 def _engine_settings(m: Mapper) -> None:
-    """vLLM's tensor-parallel size, memory share and context length (the embedded engine has none)."""
+    """vLLM's tensor-parallel size, memory share, context length and eager mode (the embedded engine
+    has none)."""
     tp, share, length = _VLLM_SETTINGS
     if m.flat.get("rollout.engine") != "vllm":
-        for key in _VLLM_SETTINGS:
+        for key in (*_VLLM_SETTINGS, _EAGER):
             if m.pending(key):
                 m.skip(key, "a setting of verl's rollout engine; the embedded engine (rollout.engine here) runs the "
                             "whole model on each rank and has none")
@@ -50,6 +53,8 @@ def _engine_settings(m: Mapper) -> None:
         m.map(tp, "rollout.tensor_parallel_size", m.convert(tp, pos_int))
     if m.pending(share):
         m.map(share, "rollout.gpu_memory_utilization", m.convert(share, _share))
+    if m.pending(_EAGER):
+        m.map(_EAGER, "rollout.enforce_eager", m.convert(_EAGER, to_bool))
     if m.pending(length):
         value = m.convert(length, pos_int)
         prompt, response = m.get("data.max_prompt_length"), m.get("data.max_response_length")

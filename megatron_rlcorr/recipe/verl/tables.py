@@ -119,9 +119,10 @@ ORDER = (
     "model.offload_grads", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.vpp", "parallel.sequence_parallel",
     "parallel.ep", "parallel.etp", "rollout.engine", "rollout.precision", "rollout.temperature", "rollout.top_p",
     "rollout.top_k", "rollout.max_new_tokens", "rollout.n", "rollout.tensor_parallel_size",
-    "rollout.gpu_memory_utilization", "rollout.max_model_len", "rollout.routing_replay", "rollout.placement",
-    "rollout.num_ranks", "rollout.val_kwargs.n", "rollout.val_kwargs.temperature", "rollout.val_kwargs.top_p",
-    "rollout.val_kwargs.top_k", "rollout.val_kwargs.do_sample", "data.train_files", "data.val_files",
+    "rollout.gpu_memory_utilization", "rollout.max_model_len", "rollout.enforce_eager", "rollout.routing_replay",
+    "rollout.placement", "rollout.num_ranks", "rollout.val_kwargs.n", "rollout.val_kwargs.temperature",
+    "rollout.val_kwargs.top_p", "rollout.val_kwargs.top_k", "rollout.val_kwargs.do_sample", "data.train_files",
+    "data.val_files",
     "data.prompt_key", "data.answer_key", "data.max_prompt_length", "data.prompts_per_step", "data.shuffle",
     "data.tokenizer", "data.reward", "data.on_long_prompt", "algorithm.advantage_estimator",
     "algorithm.norm_adv_by_std", "algorithm.dynamic_sampling.enabled", "algorithm.dynamic_sampling.metric",
@@ -145,7 +146,7 @@ _LOG_PROB_BUDGET = ("the log-prob passes (pi_old, reference) pack with the actor
                     "trainer.max_tokens_per_micro_batch")
 _ENGINE_TUNING = ("a vLLM setting this project does not expose: rollout/vllm_engine.py (engine_arguments) sets "
                   "vLLM's other arguments itself; the recipe's are rollout.tensor_parallel_size, "
-                  "gpu_memory_utilization, max_model_len and sleep_level")
+                  "gpu_memory_utilization, max_model_len, sleep_level and enforce_eager")
 UNMAPPED: tuple[tuple[str, str], ...] = (
     (r"ulysses_sequence_parallel_size$", "Ulysses sequence parallelism (FSDP): use parallel.cp (context "
                                          "parallelism) for long sequences here"),
@@ -169,7 +170,7 @@ UNMAPPED: tuple[tuple[str, str], ...] = (
      "hardware comes from the launch (tools/launch.sh, torchrun / megatron-rlcorr train --nproc)"),
     (rf"^{re.escape(R)}calculate_log_probs$", "both engines always report the log-prob of every sampled token (the "
                                              "rollout_log_prob the correction compares)"),
-    (rf"^{re.escape(R)}(enable_chunked_prefill|max_num_batched_tokens|max_num_seqs|enforce_eager|load_format|mode|"
+    (rf"^{re.escape(R)}(enable_chunked_prefill|max_num_batched_tokens|max_num_seqs|load_format|mode|"
      r"engine_kwargs\..*|disable_log_stats|layered_summon|update_weights_bucket_megabytes|"
      r"data_parallel_size|expert_parallel_size|pipeline_model_parallel_size|cudagraph_capture_sizes|"
      r"skip_tokenizer_init)$", _ENGINE_TUNING),

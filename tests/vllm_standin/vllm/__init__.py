@@ -282,7 +282,8 @@ class LLM:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  seed: int = 0, enable_sleep_mode: bool = False, distributed_executor_backend: str | None = None,
                  logprobs_mode: str = "raw_logprobs", load_format: str = "auto", worker_extension_cls: str = "",
-                 enable_prefix_caching: bool | None = None, enable_return_routed_experts: bool = False) -> None:
+                 enable_prefix_caching: bool | None = None, enable_return_routed_experts: bool = False,
+                 enforce_eager: bool = False) -> None:
         global _sleep_pool_in_use
         if logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode}")
@@ -296,8 +297,10 @@ class LLM:
                            distributed_executor_backend=distributed_executor_backend, logprobs_mode=logprobs_mode,
                            load_format=load_format, worker_extension_cls=worker_extension_cls,
                            enable_prefix_caching=enable_prefix_caching,
-                           enable_return_routed_experts=enable_return_routed_experts)
+                           enable_return_routed_experts=enable_return_routed_experts, enforce_eager=enforce_eager)
         CALLS.append(("LLM", self.kwargs))
+        # What vllm.envs reads while the engine builds its sampler (v1/sample/ops/topk_topp_sampler.py).
+        self.flashinfer_sampler_env = os.environ.get("VLLM_USE_FLASHINFER_SAMPLER")
         if enable_sleep_mode:
             # Sleep mode allocates through one process-wide pool (config/model.py turns on the cumem
             # allocator); a second engine's weights find it in use (v1/worker/gpu_worker.py
