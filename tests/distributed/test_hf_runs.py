@@ -124,12 +124,18 @@ def test_score_a_run_checkpoint(trained_run, tmp_path):
                                 for t in tokens))
     step_dir = trained_run / "checkpoints" / "step_000002"
     expected = hf_log_probs(trained_run / "hf", tokens, TEMPERATURE)[:, 4:]
-    # The checkpoint was written by dp=2; a distributed checkpoint loads under any layout.
+    # The checkpoint was written by dp=2; a distributed checkpoint loads under any layout. The dp2
+    # layout scores the step's folder through the CLI (a launch); tp2 and pp2 score the run folder
+    # (its latest checkpoint) with score's entry point in the pool (test_score_matches_transformers).
     for name, layout in {"dp2": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}.items():
         out = tmp_path / f"{name}.jsonl"
-        proc = _cli("score", "--model", step_dir if name == "dp2" else trained_run, "--rollouts", rollouts,
-                    "--out", out, f"rollout.temperature={TEMPERATURE}", *layout)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        args = ["--model", str(step_dir if name == "dp2" else trained_run), "--rollouts", str(rollouts),
+                "--out", str(out), f"rollout.temperature={TEMPERATURE}", *layout]
+        if name == "dp2":
+            proc = _cli("score", *args)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        else:
+            assert run_distributed(_score_entry_point, 2, args) == [0, 0], name
         records = [json.loads(line) for line in out.read_text().splitlines()]
         assert len(records) == len(tokens)
         for record, want in zip(records, expected):
