@@ -78,3 +78,16 @@ def train_runs_in_env(rank, world_size, runs, env):
         for name in set(os.environ) - set(saved):
             del os.environ[name]
         os.environ.update(saved)
+
+
+def train_entry_point(rank, world_size, argv):
+    """`python -m megatron_rlcorr.train ARGV` on this rank of a pool (tests/dist_pool.py), as under
+    torchrun: the entry point makes the launch's default group itself (and, with rollout.placement
+    separate, cuts the world into trainer and rollout ranks), so the pool's is put aside first and
+    made again after the case. Its exit code."""
+    import torch.distributed as dist
+
+    from megatron_rlcorr import train
+
+    dist.destroy_process_group()
+    return train.main(argv)
