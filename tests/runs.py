@@ -84,10 +84,16 @@ def train_entry_point(rank, world_size, argv):
     """`python -m megatron_rlcorr.train ARGV` on this rank of a pool (tests/dist_pool.py), as under
     torchrun: the entry point makes the launch's default group itself (and, with rollout.placement
     separate, cuts the world into trainer and rollout ranks), so the pool's is put aside first and
-    made again after the case. Its exit code."""
+    made again after the case. (exit code, what it printed to stdout)."""
+    import contextlib
+    import io
+
     import torch.distributed as dist
 
     from megatron_rlcorr import train
 
     dist.destroy_process_group()
-    return train.main(argv)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = train.main(argv)
+    return code, printed.getvalue()

@@ -61,7 +61,7 @@ def launch(nproc: int, out: Path, name: str, *overrides: str, recipe: Path = TIN
 def entry_point(nproc: int, out: Path, name: str, *overrides: str, recipe: Path = TINY) -> list[dict]:
     """`launch`'s run with train's entry point on `nproc` processes of the worker pool; its metrics rows."""
     argv = ["--config", str(recipe), *COMMON, f"trainer.output_dir={out}", f"name={name}", *overrides]
-    assert run_distributed(train_entry_point, nproc, argv) == [0] * nproc
+    assert [code for code, _ in run_distributed(train_entry_point, nproc, argv)] == [0] * nproc
     return read_metrics(out / name)
 
 

@@ -18,7 +18,7 @@ from megatron_rlcorr.correction import compute_rollout_correction
 from megatron_rlcorr.score import DAPO_CORRECTION
 from tests.dist import run_distributed
 from tests.hf_models import hf_log_probs, hf_logits, make_checkpoint, safetensors_tensors
-from tests.runs import deterministic, read_metrics, train_runs
+from tests.runs import deterministic, read_metrics, train_entry_point, train_runs
 
 pytestmark = [
     pytest.mark.distributed,
@@ -81,15 +81,13 @@ def test_dataset_run_resumes_with_the_next_prompts(tiny_hf, tmp_path):
 
 @pytest.fixture(scope="module")
 def trained_run(tiny_hf, tmp_path_factory):
-    """Two steps of the tiny HF recipe through torchrun, with the Hugging Face export at the end."""
+    """Two steps of the tiny HF recipe on 2 ranks, with the Hugging Face export at the end: train's
+    entry point on the pool's processes, under torchrun's environment (tests/runs.py)."""
     out = tmp_path_factory.mktemp("runs")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-         "megatron_rlcorr.train", "--config", str(RECIPE), *SMALL, *_files(tiny_hf), f"trainer.output_dir={out}",
-         "trainer.steps=2"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "hugging face checkpoint:" in proc.stdout
+    argv = ["--config", str(RECIPE), *SMALL, *_files(tiny_hf), f"trainer.output_dir={out}", "trainer.steps=2"]
+    (code0, printed), (code1, _) = run_distributed(train_entry_point, 2, argv)
+    assert code0 == code1 == 0, printed[-3000:]
+    assert "hugging face checkpoint:" in printed
     return out / "tiny_hf_cpu"
 
 
