@@ -245,13 +245,11 @@ def _full_state(model_chunks, optimizer, scheduler, groups, common: dict[str, An
 
 @contextlib.contextmanager
 def _in_process_write_results() -> Iterator[None]:
-    """A synchronous save's write results through an in-process queue. Megatron-Core's file writer
-    gets its results queue from a multiprocessing Manager it spawns on first use, asynchronous or
-    not: a new Python process per rank that imports the launch's main module again (torch and
-    Megatron-Core: seconds per rank) for a queue that a synchronous save fills and reads in this
-    process. The module's queue is put back afterwards, so a later asynchronous save in the same
-    process still gets its Manager's. Where the module has no such queue (another Megatron-Core
-    version), or a Manager's queue exists already, the save uses Megatron-Core's own."""
+    """A synchronous save's write results through an in-process queue: Megatron-Core's file writer
+    spawns a multiprocessing Manager for its queue on first use, asynchronous or not (a process per
+    rank that imports the launch's main module again: seconds) for what a synchronous save fills and
+    reads here. Put back afterwards (a later asynchronous save gets its Manager); where there is no
+    such module global, or a Manager's queue exists, Megatron-Core's own is used."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", False) is not None:
