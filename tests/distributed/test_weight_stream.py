@@ -78,11 +78,32 @@ def _worker(rank, world, tp, pp):
                 stream_peak=stream_peak, export_peak=export_peak, engines=engines)
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_stream_equals_the_export_in_small_buckets(tp, pp, monkeypatch):
-    # Read by malloc when a process starts: new processes (fresh), not the session's pool.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    for rank, result in enumerate(run_distributed(_worker, 2, tp, pp, fresh=True)):
+LAYOUTS = [(2, 1), (1, 2)]
+
+
+def _layouts_worker(rank, world, layouts):
+    """_worker on each (tp, pp) in turn, in the same processes (their groups torn down in between)."""
+    from megatron_rlcorr.parallel.groups import destroy_parallel_groups
+
+    out = {}
+    for tp, pp in layouts:
+        out[tp, pp] = _worker(rank, world, tp, pp)
+        destroy_parallel_groups()
+    return out
+
+
+@pytest.fixture(scope="module")
+def streamed():
+    """Every layout's results, per rank: one call of new processes for both layouts, as
+    MALLOC_MMAP_THRESHOLD_ is read by malloc when a process starts (fresh, not the session's pool)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+        return run_distributed(_layouts_worker, 2, LAYOUTS, fresh=True)
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS)
+def test_stream_equals_the_export_in_small_buckets(tp, pp, streamed):
+    for rank, result in enumerate(by_layout[tp, pp] for by_layout in streamed):
         full, buckets = result["full"], result["buckets"]
         streamed = {name: tensor for bucket in buckets for name, tensor in bucket}
         assert len(streamed) == sum(len(b) for b in buckets)  # each name once
