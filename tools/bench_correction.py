@@ -14,7 +14,14 @@ casts), on a batch of 8 x 4096 tokens taken in one block as on a GPU, with every
 one micro-batch's policy loss (PPO-clip + IS weights + entropy + KL to a reference policy; its
 forward, and forward + backward).
 
-    python tools/bench_correction.py [--sizes 256K,1M,4M] [--device cuda] [--repeats 15]
+`--compile` adds the compiled call (correction/compiled.py, `algorithm.correction_compile: torch`)
+beside the eager one: `first call s`, the seconds of its first call at that size (the compilation,
+for the first size; later sizes reuse it), `compiled ms`, and `vs ours`, eager ms / compiled ms (above
+1x: the compiled call is faster). Its outputs are checked against the eager call's first (masks
+equal, weights and metrics within compiled.RTOL). `--compile-backend` picks torch.compile's backend
+(inductor; aot_eager traces without generating kernels, to check the tool cheaply on a CPU).
+
+    python tools/bench_correction.py [--sizes 256K,1M,4M] [--device cuda] [--repeats 15] [--compile]
     python tools/bench_correction.py --count-ops
 """
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 
 from megatron_rlcorr.config import RolloutCorrectionConfig
 from megatron_rlcorr.correction import compute_rollout_correction
+from megatron_rlcorr.correction.compiled import DEFAULT_BACKEND, RTOL, compute_rollout_correction_compiled
 from megatron_rlcorr.training.kl import KLLossSettings
 from megatron_rlcorr.training.losses import LossConfig, global_loss_normalizers, policy_loss
 
@@ -239,6 +247,23 @@ def check_agreement(old, rollout, mask, cfg):
             assert math.isclose(got, value, rel_tol=1e-3, abs_tol=1e-4), (name, got, value)
 
 
+def first_compiled_call_s(old, rollout, mask, cfg, backend: str) -> float:
+    """Seconds of a first compiled call (it compiles the variant), after which its outputs are
+    checked against the eager call's: masks equal, weights and metrics within compiled.RTOL."""
+    _sync(old.device)
+    start = time.perf_counter()
+    got = compute_rollout_correction_compiled(old, rollout, mask, cfg, check_inputs=False, backend=backend)
+    _sync(old.device)
+    seconds = time.perf_counter() - start
+    want = compute_rollout_correction(old, rollout, mask, cfg, check_inputs=False)
+    assert torch.equal(got.response_mask, want.response_mask), "the compiled call's mask differs from eager's"
+    if want.is_weights is not None:
+        torch.testing.assert_close(got.is_weights, want.is_weights, rtol=RTOL, atol=1e-7)
+    for name, value in want.metrics.items():
+        torch.testing.assert_close(got.metrics[name], value, rtol=RTOL, atol=1e-7, msg=name)
+    return seconds
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernel counts (tools/op_count.py)
 def count_correction_ops(cfg: RolloutCorrectionConfig):
@@ -310,6 +335,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="print the memory-bandwidth floor columns (default: on a GPU only)")
     parser.add_argument("--count-ops", action="store_true",
                         help="print the kernels per call of each setting and of the policy loss, and exit")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the torch.compile'd call (algorithm.correction_compile: torch) beside eager")
+    parser.add_argument("--compile-backend", default=DEFAULT_BACKEND,
+                        help=f"torch.compile backend for --compile (default {DEFAULT_BACKEND})")
     args = parser.parse_args(argv)
     if args.count_ops:
         print_op_counts()
@@ -325,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
         header += f" {'graphed ms':>11} {'speed-up':>9}"
     if bandwidth:
         header += f" {'floor ms':>9} {'ours/floor':>10}"
+    if args.compile:
+        header += f" {'first call s':>12} {'compiled ms':>11} {'vs ours':>8}"
     print(header)
     for num_tokens in (_parse_size(s) for s in args.sizes.split(",")):
         old, rollout, mask = make_inputs(num_tokens, device)
@@ -343,7 +374,20 @@ def main(argv: list[str] | None = None) -> None:
             if bandwidth:
                 floor = (3 * 4 + 2 * 4) * old.numel() / bandwidth
                 row += f" {floor:>9.3f} {ours / floor:>9.0f}x"
+            if args.compile:
+                row += _compiled_columns(old, rollout, mask, cfg, device, args)
             print(row, flush=True)
+
+
+def _compiled_columns(old, rollout, mask, cfg, device, args) -> str:
+    """The --compile columns: first call s, compiled ms, eager ms / compiled ms (timed side by side)."""
+    first = first_compiled_call_s(old, rollout, mask, cfg, args.compile_backend)
+    eager, compiled = time_side_by_side(
+        [lambda: compute_rollout_correction(old, rollout, mask, cfg, check_inputs=False),
+         lambda: compute_rollout_correction_compiled(old, rollout, mask, cfg, check_inputs=False,
+                                                     backend=args.compile_backend)],
+        device, args.repeats)
+    return f" {first:>12.1f} {compiled:>11.3f} {eager / compiled:>7.2f}x"
 
 
 if __name__ == "__main__":

@@ -9,10 +9,14 @@ A call runs the configuration's compiled plan (`plan.py`) in three phases:
   3. the metrics from the batch totals in one chain (`metrics.py`), then the outputs.
 On a GPU one call launches a few dozen kernels whatever the configuration's metric count
 (`tools/bench_correction.py --count-ops`) and never synchronises with the host.
+`run_plan` is those phases on checked inputs; `compiled.py` runs the same function under
+`torch.compile` (an option of the trainer, `algorithm.correction_compile`); this eager call is
+the reference and the default.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,15 +57,34 @@ def compute_rollout_correction(
     statistics (metrics, batch normalisation) are reduced over `dp_group`. With
     `check_inputs=False` the call never synchronises with the host.
     """
+    plan = checked_plan(old_log_prob, rollout_log_prob, response_mask, config, cu_seqlens, check_inputs)
+    weights, keep, metrics = run_plan(plan, old_log_prob, rollout_log_prob, response_mask, cu_seqlens,
+                                      cp_group, dp_group)
+    return as_result(response_mask, weights, keep, metrics)
+
+
+def checked_plan(old_log_prob, rollout_log_prob, response_mask, config: RolloutCorrectionConfig,
+                 cu_seqlens: torch.Tensor | None, check_inputs: bool) -> Plan:
+    """The call's checks, then the configuration's plan with its constants on the inputs' device."""
     if not isinstance(config, RolloutCorrectionConfig):
         raise ValueError(f"config must be a RolloutCorrectionConfig, got {type(config).__name__}")
     check_layout(old_log_prob, rollout_log_prob, response_mask, cu_seqlens)
     if check_inputs:
         check_values(old_log_prob, rollout_log_prob, response_mask, cu_seqlens)
-
     plan = plan_for(config)
+    plan.prepare(old_log_prob.device, response_mask.dtype)
+    return plan
+
+
+def run_plan(plan: Plan, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+             cu_seqlens: torch.Tensor | None, cp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
+             all_reduce: Callable[..., None] | None = None, one_block: bool = False
+             ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The three phases on checked inputs: (weights or None, the output mask or None for the input
+    one, {metric name: 0-d float32}). `all_reduce(tensor, op, group)` runs the collectives
+    (`_all_reduce` by default); `one_block` takes the token phase in one block on a CPU too."""
+    reduce = _all_reduce if all_reduce is None else all_reduce
     device = old_log_prob.device
-    plan.prepare(device)
     old, rollout = old_log_prob.detach().float(), rollout_log_prob.detach().float()
     seg = (Segments.padded(old.shape[0]) if cu_seqlens is None
            else Segments.packed(cu_seqlens, old.numel(), device))
@@ -70,16 +93,22 @@ def compute_rollout_correction(
     # (The packed one still drops the tokens after cu_seqlens[-1].)
     keep = torch.empty_like(response_mask) if plan.rejects or cu_seqlens is not None else None
     stats = torch.empty(len(plan.tokens.stat_names), seg.num_rows, dtype=torch.float64, device=device)
-    _token_phase(plan, old, rollout, response_mask, seg, stats, weights, keep)
-    _all_reduce(stats[:plan.tokens.num_sums], dist.ReduceOp.SUM, cp_group)
-    _all_reduce(stats[plan.tokens.num_sums:], dist.ReduceOp.MAX, cp_group)
-    zbuf, series = plan.rows.run(stats, lambda t: _all_reduce(t, dist.ReduceOp.MAX, dp_group),
-                                 lambda t: _all_reduce(t, dist.ReduceOp.SUM, dp_group))
+    blocks = [(slice(None), old.shape[0])] if one_block else _row_blocks(response_mask, cu_seqlens)
+    _token_phase(plan, old, rollout, response_mask, seg, stats, weights, keep, blocks)
+    reduce(stats[:plan.tokens.num_sums], dist.ReduceOp.SUM, cp_group)
+    reduce(stats[plan.tokens.num_sums:], dist.ReduceOp.MAX, cp_group)
+    zbuf, series = plan.rows.run(stats, lambda t: reduce(t, dist.ReduceOp.MAX, dp_group),
+                                 lambda t: reduce(t, dist.ReduceOp.SUM, dp_group))
     values, metrics = plan.metrics.run(zbuf)
     if weights is not None:
         _finish_weights(plan, weights, values, series, seg)
     if plan.sequence_rejects:
         torch.gt(keep, seg.to_tokens(plan.rows.any_row(series, REJECTED)), out=keep)
+    return weights, keep, metrics
+
+
+def as_result(response_mask: torch.Tensor, weights: torch.Tensor | None, keep: torch.Tensor | None,
+              metrics: dict[str, torch.Tensor]) -> CorrectionResult:
     return CorrectionResult(
         is_weights=weights,
         response_mask=response_mask if keep is None else keep,
@@ -87,19 +116,20 @@ def compute_rollout_correction(
     )
 
 
-def _token_phase(plan: Plan, old, rollout, response_mask, seg: Segments, stats, weights, keep) -> None:
-    """Phase 1 over blocks of rows; also writes what the outputs need of each block: the token
-    IS weights, or the mask (the tokens the token rules keep) for the later sequence factors."""
+def _token_phase(plan: Plan, old, rollout, response_mask, seg: Segments, stats, weights, keep,
+                 blocks: list[tuple[slice, int]]) -> None:
+    """Phase 1 over blocks of rows (each a slice and its size); also writes what the outputs need
+    of each block: the token IS weights, or the mask (the tokens the token rules keep) for the
+    later sequence factors."""
     tp, num_sums = plan.tokens, plan.tokens.num_sums
-    blocks = _row_blocks(response_mask, seg.offsets)
-    sizes = [len(range(*rows.indices(old.shape[0]))) for rows in blocks]
+    sizes = [size for _, size in blocks]
     if not seg.is_packed and not max(sizes):
         return
     shape = old.shape if seg.is_packed else (max(sizes), old.shape[1])
     buffers = tp.new_buffers(old, tuple(shape))
     m = tp.at("m")
     kept = tp.at("kept") if plan.token_rules else m
-    for rows, size in zip(blocks, sizes):
+    for rows, size in blocks:
         basis, max_values = (x if x is None or seg.is_packed else x[:, :size] for x in buffers)
         tp.fill(old[rows], rollout[rows], response_mask[rows], basis, seg)
         seg.row_sums(basis, basis[m], stats[:num_sums, rows])
@@ -134,15 +164,17 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
         tensor.copy_(buffer)
 
 
-def _row_blocks(response_mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[slice]:
-    """Blocks of rows for the token phase. On a CPU the padded layout is processed a few hundred
-    thousand tokens at a time: the buffers then stay in cache and are reused for every block
-    instead of being page-faulted in afresh. GPUs, and the packed layout, take the batch in one
-    block."""
+def _row_blocks(response_mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[tuple[slice, int]]:
+    """Blocks of rows for the token phase, with their sizes. On a CPU the padded layout is
+    processed a few hundred thousand tokens at a time: the buffers then stay in cache and are
+    reused for every block instead of being page-faulted in afresh. GPUs, and the packed layout,
+    take the batch in one block."""
+    whole = [(slice(None), response_mask.shape[0])]
     if cu_seqlens is not None or response_mask.device.type != "cpu" or response_mask.dim() != 2:
-        return [slice(None)]
+        return whole
     num_rows, row_len = response_mask.shape
     rows_per_block = max(1, CPU_BLOCK_TOKENS // max(row_len, 1))
     if rows_per_block >= num_rows:
-        return [slice(None)]
-    return [slice(r, min(r + rows_per_block, num_rows)) for r in range(0, num_rows, rows_per_block)]
+        return whole
+    return [(slice(r, min(r + rows_per_block, num_rows)), min(rows_per_block, num_rows - r))
+            for r in range(0, num_rows, rows_per_block)]

@@ -31,8 +31,8 @@ class Plan:
     token_rules: bool   # the kept-token slot holds the token rules' decisions
     sequence_rejects: bool  # the `rej` row exists
 
-    def prepare(self, device: torch.device) -> None:
-        self.tokens.prepare(device)
+    def prepare(self, device: torch.device, mask_dtype: torch.dtype | None = None) -> None:
+        self.tokens.prepare(device, mask_dtype)
         self.rows.prepare(device)
         self.metrics.prepare(device)
         if self.weights is not None:

@@ -51,7 +51,10 @@ class Segments:
         (float64 0/1) is 1. Masked positions must hold finite values. Padded: one batched matrix
         product (the mask multiplies and sums in the same op); packed: a segment reduction."""
         if not self.is_packed:
-            torch.bmm(slots.transpose(0, 1), mask.unsqueeze(-1), out=out.t().unsqueeze(-1))
+            if torch.compiler.is_compiling():  # Dynamo traces no out= into a non-contiguous view
+                out.copy_(torch.bmm(slots.transpose(0, 1), mask.unsqueeze(-1)).squeeze(-1).t())
+            else:
+                torch.bmm(slots.transpose(0, 1), mask.unsqueeze(-1), out=out.t().unsqueeze(-1))
             return
         if self.num_rows == 0:
             return

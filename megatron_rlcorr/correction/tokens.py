@@ -132,7 +132,9 @@ class TokenPhase:
         self.sq0 = len(self.slots)
         bases = ["rho"] + widths
         self._add(*(f"{base}^2" for base in bases), *(s for s in EXTRA_SLOTS if s in req.extra))
+        self.above_at: dict[str, int] = {}  # source -> its first indicator slot
         for src, ts in req.thresholds.items():
+            self.above_at[src] = len(self.slots)
             self._add(*(f"{src}>{t!r}" for t in ts))
         if req.veto_log is not None:
             self._add("veto")
@@ -175,9 +177,14 @@ class TokenPhase:
         out.update({f"b_{src}": [b for _, b in p] for src, p in self.req.transforms.items()})
         return {name: torch.tensor(values, dtype=torch.float64) for name, values in out.items()}
 
-    def prepare(self, device: torch.device) -> None:
+    def prepare(self, device: torch.device, mask_dtype: torch.dtype | None = None) -> None:
+        """The constants on `device`, and the zero of `mask_dtype` (`_zero`) when given."""
         if device not in self._device:
             self._device[device] = {k: to_device(v, device) for k, v in self._cpu.items()}
+        key = f"zero_{mask_dtype}"
+        if mask_dtype is not None and key not in self._device[device]:
+            # shape [1], not 0-d: torch.compile may take a 0-d CPU tensor for a number and guard its value
+            self._device[device][key] = to_device(torch.zeros(1, dtype=mask_dtype), device)
 
     def new_buffers(self, like: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(basis, max values) for blocks of `shape` tokens."""
@@ -209,7 +216,7 @@ class TokenPhase:
         torch.mul(base, base, out=b[self.sq0:self.sq0 + base.shape[0]])
         self._extra_slots(b)
         for src, ts in self.req.thresholds.items():
-            at = self.at(f"{src}>{ts[0]!r}")
+            at = self.above_at[src]
             torch.gt(b[self.at(src)].expand(len(ts), *shape), _col(k[f"t_{src}"], shape), out=b[at:at + len(ts)])
         if self.req.veto_log is not None:
             torch.lt(b[lr], self.req.veto_log, out=b[self.at("veto")])
@@ -219,12 +226,9 @@ class TokenPhase:
             self._token_keep(b)
 
     def _zero(self, mask: torch.Tensor) -> torch.Tensor:
-        """A 0-d zero of the mask's dtype: compared with it, the mask needs no conversion op."""
-        consts = self._device[mask.device]
-        key = f"zero_{mask.dtype}"
-        if key not in consts:
-            consts[key] = to_device(torch.zeros((), dtype=mask.dtype), mask.device)
-        return consts[key]
+        """A zero of the mask's dtype (shape [1]): compared with it, the mask needs no conversion op."""
+        self.prepare(mask.device, mask.dtype)
+        return self._device[mask.device][f"zero_{mask.dtype}"]
 
     def _extra_slots(self, b: torch.Tensor) -> None:
         extra, at = self.req.extra, self.at

@@ -57,7 +57,8 @@ class ImportanceWeights:
 
     def prepare(self, device: torch.device) -> None:
         if device not in self._upper:  # a tensor bound: the float64 ratios clamp into float32 weights
-            self._upper[device] = to_device(torch.tensor(self.upper, dtype=torch.float64), device)
+            # (shape [1], not 0-d: torch.compile takes a 0-d CPU tensor there for a number and guards its value)
+            self._upper[device] = to_device(torch.tensor([self.upper], dtype=torch.float64), device)
 
     def token_weights(self, rho: torch.Tensor, rho_masked: torch.Tensor | None, mask: torch.Tensor,
                       out: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, Protocol
 
 from ..config import RolloutCorrectionConfig
+from ..correction.compiled import COMPILE_MODES, CompileMode
 from ..data.tasks import DataSettings
 from ..model.config import ModelConfig
 from ..parallel.layout import ParallelSettings
@@ -107,6 +108,14 @@ class AlgorithmSettings:
     reference: ReferenceSettings = field(default_factory=ReferenceSettings)
     loss: LossConfig = field(default_factory=LossConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # How the trainer runs the rollout correction: eager (the default and the reference) or torch
+    # (torch.compile of its tensor math, for a GPU where tools/bench_correction.py --compile shows it
+    # faster; equal to eager within rtol 1e-5 with identical masks, not bit for bit; the first call
+    # of each batch layout compiles; docs/correction.md)
+    correction_compile: CompileMode = "eager"
+
+    def __post_init__(self) -> None:
+        check_choice("correction_compile", self.correction_compile, COMPILE_MODES)
 
     @property
     def uses_reference(self) -> bool:

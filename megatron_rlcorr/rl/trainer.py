@@ -103,7 +103,8 @@ class Trainer:
                                    max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
                                    temperature=recipe.rollout.temperature or 1.0, kl_loss=algo.kl_loss,
                                    response_limit=recipe.rollout.max_new_tokens,
-                                   routing_replay=recipe.rollout.routing_replay)
+                                   routing_replay=recipe.rollout.routing_replay,
+                                   correction_compile=algo.correction_compile)
         self.reference = (ReferencePolicy(recipe.model, groups, seed=trainer.seed, settings=algo.reference)
                           if algo.uses_reference else None)
         self.kl_controller = KLController(algo.kl_in_reward) if algo.kl_in_reward.enabled else None
@@ -318,7 +319,8 @@ class Trainer:
                                            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
                                            routing_replay=cfg.routing_replay)
         if old is not None:
-            correction, metrics = step_correction(old, batch, cfg.correction, self.groups)
+            correction, metrics = step_correction(old, batch, cfg.correction, self.groups,
+                                                  correction_compile=cfg.correction_compile)
             metrics = {**metrics, "actor/entropy": old_pass_entropy(entropy, batch, cfg, self.groups)}
         return old, ref, correction, dict(metrics)
 

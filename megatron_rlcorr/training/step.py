@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import RolloutCorrectionConfig
-from ..correction import compute_rollout_correction
+from ..correction.compiled import correction_function
 from .local_batch import LocalBatch, cut_batch, group_or_none, plan_micro_batches
 from .losses import global_loss_normalizers, policy_loss
 from .old_pass import compute_old_log_probs, compute_old_log_probs_and_entropy, old_pass_entropy
@@ -125,15 +125,17 @@ class StepCorrection:
 
 
 def step_correction(old_log_probs_BT: torch.Tensor, batch: StepBatch, correction: RolloutCorrectionConfig,
-                    groups: ParallelGroups) -> tuple[StepCorrection, dict[str, torch.Tensor]]:
+                    groups: ParallelGroups, *, correction_compile: str = "eager"
+                    ) -> tuple[StepCorrection, dict[str, torch.Tensor]]:
     """Decoupled mode: IS weights, rejection and metrics over the whole RL step (this DP rank's
     batch, batch statistics over DP), on the last pipeline stage. Every CP rank computes it on the
     whole sequences (compute_old_log_probs merged them), so no CP collective is needed. No host
-    sync (check_inputs=False)."""
+    sync (check_inputs=False). `correction_compile`: StepConfig's (eager or torch.compile)."""
     device = old_log_probs_BT.device
-    out = compute_rollout_correction(old_log_probs_BT.float(), batch.rollout_log_probs_BT.to(device).float(),
-                                     batch.response_mask_BT.to(device).float(), correction,
-                                     dp_group=group_or_none(groups.dp, groups.dp_size), check_inputs=False)
+    out = correction_function(correction_compile)(
+        old_log_probs_BT.float(), batch.rollout_log_probs_BT.to(device).float(),
+        batch.response_mask_BT.to(device).float(), correction, dp_group=group_or_none(groups.dp, groups.dp_size),
+        check_inputs=False)
     return StepCorrection(out.is_weights, out.response_mask), out.metrics
 
 
@@ -180,9 +182,9 @@ def _prepare_loss_inputs(local: LocalBatch, cfg: StepConfig, groups: ParallelGro
         metrics = {}
     else:  # the correction on this mini-batch, all micro-batches at once
         old_all, cu = local.plan.concat(old)
-        corr = compute_rollout_correction(old_all, local.plan.concat(local.rollout)[0],
-                                          local.plan.concat(local.mask)[0], cfg.correction, cu_seqlens=cu,
-                                          cp_group=cp_group, dp_group=dp_group, check_inputs=False)
+        corr = correction_function(cfg.correction_compile)(
+            old_all, local.plan.concat(local.rollout)[0], local.plan.concat(local.mask)[0], cfg.correction,
+            cu_seqlens=cu, cp_group=cp_group, dp_group=dp_group, check_inputs=False)
         loss_mask = _unconcat(corr.response_mask, local.mask)
         is_weights = None if corr.is_weights is None else _unconcat(corr.is_weights, local.mask)
         metrics = corr.metrics
@@ -231,6 +233,7 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
     terms, partials, corr_metrics = [], [], []
     theta_log_probs: list[torch.Tensor | None] = [None] * plan.num_microbatches  # bypass PPO: detached pi_theta
     with_entropy = cfg.loss.entropy_coeff != 0.0
+    correct = correction_function(cfg.correction_compile)  # compute_rollout_correction, or torch.compile'd
 
     def loss_fn(mb, logits):
         cu = local.cu_seqlens(mb)
@@ -240,12 +243,11 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
         if bypass_ppo:
             # RS + veto from pi_theta vs pi_rollout; per-sequence decisions need only the CP group.
             theta_log_probs[mb] = log_prob.detach()
-            loss_mask = compute_rollout_correction(theta_log_probs[mb], local.rollout[mb], loss_mask, mask_only,
-                                                   cu_seqlens=cu, cp_group=cp_group, check_inputs=False).response_mask
+            loss_mask = correct(theta_log_probs[mb], local.rollout[mb], loss_mask, mask_only, cu_seqlens=cu,
+                                cp_group=cp_group, check_inputs=False).response_mask
         elif correct_in_loss:
-            corr = compute_rollout_correction(log_prob.detach(), local.rollout[mb], loss_mask, cfg.correction,
-                                              cu_seqlens=cu, cp_group=cp_group, dp_group=dp_group,
-                                              check_inputs=False)
+            corr = correct(log_prob.detach(), local.rollout[mb], loss_mask, cfg.correction, cu_seqlens=cu,
+                           cp_group=cp_group, dp_group=dp_group, check_inputs=False)
             loss_mask, is_weights = corr.response_mask, corr.is_weights
             corr_metrics.append(corr.metrics)
         ref = None if inputs.ref is None else inputs.ref[mb]
@@ -269,9 +271,8 @@ def train_minibatch(model_chunks: list[Any], optimizer, batch: StepBatch, *, gro
         # The whole mini-batch's pi_theta at once: metrics (and the mask, equal to the loss's) as
         # one process on the full batch would compute them, whatever the micro-batches.
         theta, cu = plan.concat(theta_log_probs)
-        corr_metrics = [compute_rollout_correction(theta, plan.concat(local.rollout)[0], plan.concat(local.mask)[0],
-                                                   cfg.correction, cu_seqlens=cu, cp_group=cp_group,
-                                                   dp_group=dp_group, check_inputs=False).metrics]
+        corr_metrics = [correct(theta, plan.concat(local.rollout)[0], plan.concat(local.mask)[0], cfg.correction,
+                                cu_seqlens=cu, cp_group=cp_group, dp_group=dp_group, check_inputs=False).metrics]
     if is_last:
         metrics = last_stage_metrics(terms, partials, corr_metrics or [inputs.correction_metrics], plan, groups,
                                       cp_group, dp_group)

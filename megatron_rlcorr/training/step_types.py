@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import RolloutCorrectionConfig
+from ..correction.compiled import COMPILE_MODES, CompileMode
+from ..settings import check_choice
 from .kl import KLLossSettings
 from .losses import LossConfig
 
@@ -46,6 +48,8 @@ class StepConfig:
     response_limit: int = 1
     # rollout.routing_replay: MoE tokens the engine recorded go to its experts in every forward (routing_replay.py)
     routing_replay: bool = False
+    # algorithm.correction_compile: "eager" (the reference) or "torch" (torch.compile, correction/compiled.py)
+    correction_compile: CompileMode = "eager"
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -55,6 +59,7 @@ class StepConfig:
                              f"{self.max_tokens_per_micro_batch}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        check_choice("correction_compile", self.correction_compile, COMPILE_MODES)
 
     @property
     def loss_scale_factor(self) -> float:

@@ -292,3 +292,49 @@ def test_shards_cover_every_token_once():
                                            rtol=0, atol=0, equal_nan=True)
                 if cu is not None:   # rank + 1 trailing padding tokens after cu_seqlens[-1]
                     assert int(s["cu_seqlens"][-1]) == s["old"].numel() - (rank + 1)
+
+
+# ---- the compiled call (correction/compiled.py) with live groups ---------------------------------
+
+COMPILED_JOBS = [((2, 1), "packed-random"), ((1, 2), "padded-zigzag")]  # CP live; DP live
+
+
+def _compiled_worker(rank: int, world_size: int, jobs):
+    """The compiled call (aot_eager: cheap on a CPU) against the eager one on this rank's shard:
+    the collectives run between the compiled pieces, the same calls with the same payloads."""
+    import torch._dynamo
+
+    from megatron_rlcorr.correction.compiled import RTOL, compute_rollout_correction_compiled
+
+    groups = {layout: _groups(rank, *layout) for layout, _ in COMPILED_JOBS}
+    problems = []
+    for job in jobs:
+        shard, (cp_group, dp_group) = job["shards"][rank], groups[job["layout"]]
+        args = (shard["old"], shard["rollout"], shard["mask"], RolloutCorrectionConfig(**CONFIGS[job["name"]]))
+        kwargs = dict(cu_seqlens=shard["cu_seqlens"], cp_group=cp_group, dp_group=dp_group)
+        with _CollectiveLog() as eager_log:
+            want = compute_rollout_correction(*args, **kwargs)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), _CollectiveLog() as log:
+            got = compute_rollout_correction_compiled(*args, **kwargs, backend="aot_eager")
+        where = f"{job['layout']} {job['variant']} rank {rank}"
+        if log.calls != eager_log.calls:
+            problems.append(f"{where}: collectives {log.calls}, eager {eager_log.calls}")
+        if not torch.equal(got.response_mask, want.response_mask):
+            problems.append(f"{where}: masks differ")
+        try:
+            torch.testing.assert_close(got.is_weights, want.is_weights, rtol=RTOL, atol=1e-7)
+            for key, value in want.metrics.items():
+                torch.testing.assert_close(got.metrics[key], value, rtol=RTOL, atol=1e-7, msg=key)
+        except AssertionError as err:
+            problems.append(f"{where}: {err}")
+    return problems
+
+
+def test_compiled_equals_eager_with_groups():
+    """compute_rollout_correction_compiled with a live CP group, then a live DP group (DAPO's settings)."""
+    jobs = [job for job in _jobs(2) if job["name"] == "dapo" and (job["layout"], job["variant"]) in COMPILED_JOBS]
+    assert len(jobs) == len(COMPILED_JOBS)
+    # New processes: Dynamo leaves its compiled functions in the modules it traced and a tqdm thread,
+    # which the pool would report as state a case left behind.
+    problems = sum(run_distributed(_compiled_worker, 2, jobs, fresh=True), [])
+    assert not problems, "\n".join(problems)

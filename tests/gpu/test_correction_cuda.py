@@ -1,5 +1,6 @@
 """The correction on a CUDA device: same results as on the CPU, no host sync (sync debug mode
-raises on any), and capturable in a CUDA graph (which also rules out host-to-device copies)."""
+raises on any), and capturable in a CUDA graph (which also rules out host-to-device copies). The
+compiled call (correction/compiled.py, Inductor) equals the eager one and never syncs either."""
 import pytest
 import torch
 
@@ -84,3 +85,50 @@ def test_cuda_graph_capture_and_replay(name):
         torch.testing.assert_close(out.is_weights, eager.is_weights, rtol=1e-6, atol=0)
     for key, value in eager.metrics.items():
         torch.testing.assert_close(out.metrics[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+# ---- the compiled call (correction/compiled.py) with Inductor ------------------------------------
+
+COMPILED = {  # token IS, sequence IS, DAPO's settings (geometric RS + veto + batch normalisation)
+    "token_is": RolloutCorrectionConfig(rollout_is="token"),
+    "seq_is": RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold_lower=0.5),
+    "dapo": CONFIGS["dapo"],
+}
+
+
+@pytest.mark.timeout(300)  # Inductor compiles each variant at its first call: tens of seconds
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiled_matches_eager_and_never_syncs(name, packed):
+    """Inductor's kernels equal the eager call within compiled.RTOL (identical masks); a batch of
+    other sizes reuses the compiled variant and, with check_inputs=False, never syncs."""
+    import torch._dynamo
+    from torch.utils._triton import has_triton
+
+    from megatron_rlcorr.correction.compiled import RTOL, compute_rollout_correction_compiled
+
+    if not has_triton():
+        pytest.skip("Inductor generates Triton kernels on a GPU; Triton is not installed")
+    torch._dynamo.reset()  # the variants other tests compiled do not count against the recompile limit
+    cfg = COMPILED[name]
+    batches = [_inputs("cuda"), [x[:11, :200].contiguous() for x in _inputs("cuda")]]
+    for i, inputs in enumerate(batches):
+        cu = None
+        if packed:
+            inputs, cu = _packed(*inputs)
+        # the second batch reuses the first one's variant (dynamic shapes); never eager past the recompile limit
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
+                torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            got = compute_rollout_correction_compiled(*inputs, cfg, cu_seqlens=cu)
+        want = compute_rollout_correction(*inputs, cfg, cu_seqlens=cu)
+        assert torch.equal(got.response_mask, want.response_mask)
+        if want.is_weights is not None:
+            torch.testing.assert_close(got.is_weights, want.is_weights, rtol=RTOL, atol=1e-7)
+        for key, value in want.metrics.items():
+            torch.testing.assert_close(got.metrics[key], value, rtol=RTOL, atol=1e-7, msg=key)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        compute_rollout_correction_compiled(*inputs, cfg, cu_seqlens=cu, check_inputs=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

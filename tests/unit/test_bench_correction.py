@@ -1,5 +1,6 @@
 """tools/bench_correction.py: its baseline agrees with the library, its size argument parses, and
-its kernel counter (tools/op_count.py) counts; the correction stays within its kernel budget."""
+its kernel counter (tools/op_count.py) counts; the correction stays within its kernel budget; its
+--compile columns run."""
 import importlib.util
 from pathlib import Path
 
@@ -57,6 +58,22 @@ def test_table_with_the_bandwidth_floor(capsys):
         assert int(tokens) == 8192 and int(kernels) > 0
         assert float(base_ms) > 0 and float(ours_ms) > 0 and float(floor_ms) > 0
         assert speedup.endswith("x") and ratio.endswith("x")
+
+
+def test_table_with_the_compiled_call(capsys):
+    """--compile: the compiled call's columns, after its outputs were checked against eager's
+    (aot_eager: the CPU cannot afford Inductor's C++ compilation in a unit test)."""
+    import torch._dynamo  # seconds to import: only this test needs it
+
+    torch._dynamo.reset()  # the variants other tests compiled do not count against the recompile limit
+    bench.main(["--sizes", "8K", "--repeats", "1", "--device", "cpu", "--compile", "--compile-backend", "aot_eager"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-7:] == ["first", "call", "s", "compiled", "ms", "vs", "ours"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == set(bench.SETTINGS)
+    for cells in rows.values():
+        first_s, compiled_ms, ratio = cells[-3:]
+        assert float(first_s) >= 0 and float(compiled_ms) > 0 and ratio.endswith("x")
 
 
 # ---- kernel counts (tools/op_count.py) --------------------------------------------------------
