@@ -38,19 +38,20 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SUMMARY="$OUT/gpu_check.md"
 
 # name | time limit (s) | command. The limits add up to 552 s: about 9 minutes with the start-up.
-# Each benchmark is a small model or a few tensors: its time is mostly imports and CUDA/NCCL start-up.
+# Each benchmark is a small model or a few tensors: its time is mostly imports and CUDA/NCCL start-up
+# (bench_correction --compile also compiles the correction with Inductor, the first call per setting).
 # bench_async needs 3 GPUs (one per process): on one it prints that it was skipped and exits 0, so
 # its limit is the time to import torch; on a machine of 3 or more GPUs raise it (two short trainings).
 # The real-vLLM tests run in the --vllm part, so the tier leaves them out.
 STEPS=(
-  "gpu_tier|280|$PYTHON -m pytest -m 'gpu and not vllm' tests -q -raP"
-  "bench_correction|40|$PYTHON tools/bench_correction.py --floor --device cuda"
+  "gpu_tier|260|$PYTHON -m pytest -m 'gpu and not vllm' tests -q -raP"
+  "bench_correction|70|$PYTHON tools/bench_correction.py --floor --device cuda --compile"
   "bench_packing|34|$PYTHON tools/bench_packing.py --device cuda"
   "bench_recompute|34|$PYTHON tools/bench_recompute.py --device cuda"
   "bench_logprobs|20|$PYTHON tools/bench_logprobs.py --device cuda"
   "bench_logprobs_fp32_lm_head|34|$PYTHON tools/bench_logprobs.py --lm-head --device cuda"
   "bench_async|20|$PYTHON tools/bench_async.py --device cuda"
-  "bench_step|90|$PYTHON tools/bench_step.py --device cuda --warmup 1 --steps 3"
+  "bench_step|80|$PYTHON tools/bench_step.py --device cuda --warmup 1 --steps 3"
 )
 # --vllm: its GPU tests (two engines, bf16 and fp8, each in its own process), then the tiny end-to-end
 # run in each precision (vllm_e2e.py: the checkpoint, then one torchrun launch per precision): 270 s.
