@@ -80,20 +80,20 @@ def train_runs_in_env(rank, world_size, runs, env):
         os.environ.update(saved)
 
 
-def train_entry_point(rank, world_size, argv):
-    """`python -m megatron_rlcorr.train ARGV` on this rank of a pool (tests/dist_pool.py), as under
-    torchrun: the entry point makes the launch's default group itself (and, with rollout.placement
-    separate, cuts the world into trainer and rollout ranks), so the pool's is put aside first and
-    made again after the case. (exit code, what it printed to stdout)."""
+def entry_point(rank, world_size, module, argv):
+    """`python -m megatron_rlcorr.MODULE ARGV` (train, score: an entry point that makes the launch's
+    default group itself) on this rank of a pool (tests/dist_pool.py), as under torchrun: the pool's
+    group is put aside first and made again after the case (with rollout.placement separate, train
+    cuts the world into trainer and rollout ranks). (exit code, what it printed to stdout)."""
     import contextlib
+    import importlib
     import io
 
     import torch.distributed as dist
 
-    from megatron_rlcorr import train
-
+    main = importlib.import_module(f"megatron_rlcorr.{module}").main
     dist.destroy_process_group()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = train.main(argv)
+        code = main(argv)
     return code, printed.getvalue()

@@ -12,7 +12,7 @@ uninterrupted S=2 launch is both the separate run that the colocated policy_lag=
 and the run that the resumed ones must repeat. The colocated runs, which only give metrics to
 compare with, train in the test's gloo worker pool (tests/runs.py `train_runs`, the trainer that
 torchrun's entry point runs). The separate runs run train's entry point itself on the pool's
-processes, under torchrun's environment (tests/runs.py `train_entry_point`: it makes the launch's
+processes, under torchrun's environment (tests/runs.py `entry_point`: it makes the launch's
 default group and cuts the world in two, as under torchrun), without a launch's start-up; the runs
 that are killed and resumed are real torchrun launches, and so is the refused one.
 """
@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from tests.dist import run_distributed
-from tests.runs import MOST_TOKENS, deterministic, kept_token_fraction, read_metrics, train_entry_point, train_runs
+from tests.runs import MOST_TOKENS, deterministic, entry_point, kept_token_fraction, read_metrics, train_runs
 
 pytestmark = [pytest.mark.distributed]
 
@@ -58,10 +58,10 @@ def launch(nproc: int, out: Path, name: str, *overrides: str, recipe: Path = TIN
     return read_metrics(out / name)
 
 
-def entry_point(nproc: int, out: Path, name: str, *overrides: str, recipe: Path = TINY) -> list[dict]:
+def in_pool(nproc: int, out: Path, name: str, *overrides: str, recipe: Path = TINY) -> list[dict]:
     """`launch`'s run with train's entry point on `nproc` processes of the worker pool; its metrics rows."""
     argv = ["--config", str(recipe), *COMMON, f"trainer.output_dir={out}", f"name={name}", *overrides]
-    assert [code for code, _ in run_distributed(train_entry_point, nproc, argv)] == [0] * nproc
+    assert [code for code, _ in run_distributed(entry_point, nproc, "train", argv)] == [0] * nproc
     return read_metrics(out / name)
 
 
@@ -125,7 +125,7 @@ TP_STEPS = 3
 @pytest.mark.timeout(900)
 def test_tp2_trainer_with_two_rollout_ranks_repeats_the_colocated_run(tmp_path):
     steps = f"trainer.steps={TP_STEPS}"
-    separate = entry_point(6, tmp_path, "separate", *SEPARATE, "parallel.tp=2", "rollout.num_ranks=2",
+    separate = in_pool(6, tmp_path, "separate", *SEPARATE, "parallel.tp=2", "rollout.num_ranks=2",
                       "rollout.max_staleness=1", steps)
     tp2 = colocated(4, tmp_path, "colocated", "parallel.tp=2", "rollout.policy_lag=1", steps)
     single = colocated(1, tmp_path, "single", "rollout.policy_lag=1", steps)
@@ -163,18 +163,18 @@ RESUME = ["rollout.max_staleness=2", "trainer.steps=5"]  # on tiny_cpu_async.yam
 def uninterrupted(tmp_path_factory):
     """The 5-step S=2 run that the resumed ones must repeat, and that repeats the colocated
     policy_lag=2 run (section 1)."""
-    return entry_point(3, tmp_path_factory.mktemp("uninterrupted"), "whole", *RESUME, recipe=ASYNC)
+    return in_pool(3, tmp_path_factory.mktemp("uninterrupted"), "whole", *RESUME, recipe=ASYNC)
 
 
 @pytest.mark.timeout(600)
 def test_exit_interval_then_resume_repeats_the_uninterrupted_run(uninterrupted, tmp_path):
-    first = entry_point(3, tmp_path, "exit", *RESUME, "trainer.exit_interval=2", recipe=ASYNC)
+    first = in_pool(3, tmp_path, "exit", *RESUME, "trainer.exit_interval=2", recipe=ASYNC)
     assert [r["step"] for r in first] == [1, 2]
     run_dir = tmp_path / "exit"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "2"
     # The batches asked for before the checkpoint (steps 3 and 4) are saved beside it.
     assert (run_dir / "checkpoints" / "step_000002" / "rollouts" / "dp0.pt").is_file()
-    resumed = entry_point(3, tmp_path, "exit", *RESUME, "trainer.resume=true", recipe=ASYNC)
+    resumed = in_pool(3, tmp_path, "exit", *RESUME, "trainer.resume=true", recipe=ASYNC)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert resumed[:2] == first  # not re-run
     assert rows(resumed) == rows(uninterrupted)

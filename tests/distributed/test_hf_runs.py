@@ -18,7 +18,7 @@ from megatron_rlcorr.correction import compute_rollout_correction
 from megatron_rlcorr.score import DAPO_CORRECTION
 from tests.dist import run_distributed
 from tests.hf_models import hf_log_probs, hf_logits, make_checkpoint, safetensors_tensors
-from tests.runs import deterministic, read_metrics, train_entry_point, train_runs
+from tests.runs import deterministic, entry_point, read_metrics, train_runs
 
 pytestmark = [
     pytest.mark.distributed,
@@ -85,7 +85,7 @@ def trained_run(tiny_hf, tmp_path_factory):
     entry point on the pool's processes, under torchrun's environment (tests/runs.py)."""
     out = tmp_path_factory.mktemp("runs")
     argv = ["--config", str(RECIPE), *SMALL, *_files(tiny_hf), f"trainer.output_dir={out}", "trainer.steps=2"]
-    (code0, printed), (code1, _) = run_distributed(train_entry_point, 2, argv)
+    (code0, printed), (code1, _) = run_distributed(entry_point, 2, "train", argv)
     assert code0 == code1 == 0, printed[-3000:]
     assert "hugging face checkpoint:" in printed
     return out / "tiny_hf_cpu"
@@ -133,7 +133,7 @@ def test_score_a_run_checkpoint(trained_run, tmp_path):
             proc = _cli("score", *args)
             assert proc.returncode == 0, proc.stderr[-3000:]
         else:
-            assert run_distributed(_score_entry_point, 2, args) == [0, 0], name
+            assert [code for code, _ in run_distributed(entry_point, 2, "score", args)] == [0, 0], name
         records = [json.loads(line) for line in out.read_text().splitlines()]
         assert len(records) == len(tokens)
         for record, want in zip(records, expected):
@@ -171,17 +171,6 @@ LAYOUTS = {"tp1": ["--nproc", "1"], "tp2": ["parallel.tp=2"], "cp2": ["parallel.
 CLI_LAYOUTS = ("tp1", "tp2")
 
 
-def _score_entry_point(rank, world_size, argv):
-    """`python -m megatron_rlcorr.score ARGV` on this rank: its exit code. The entry point makes the
-    launch's default group itself, as under torchrun, so the pool's is put aside first."""
-    import torch.distributed as dist
-
-    from megatron_rlcorr import score
-
-    dist.destroy_process_group()
-    return score.main(argv)
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_score_matches_transformers(scoring, tmp_path, layout):
     checkpoint, rollouts, records, expected = scoring
@@ -193,7 +182,7 @@ def test_score_matches_transformers(scoring, tmp_path, layout):
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
         overrides = [a for a in LAYOUTS[layout] if a not in ("--nproc", "2")]
-        assert run_distributed(_score_entry_point, 2, [*args, *overrides]) == [0, 0]
+        assert [code for code, _ in run_distributed(entry_point, 2, "score", [*args, *overrides])] == [0, 0]
     scored = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in scored] == [r["id"] for r in records]  # order and pass-through fields kept
     for record, got, want in zip(records, scored, expected):
