@@ -13,20 +13,23 @@ and the run that the resumed ones must repeat. The colocated runs, which only gi
 compare with, train in the test's gloo worker pool (tests/runs.py `train_runs`, the trainer that
 torchrun's entry point runs). The separate runs run train's entry point itself on the pool's
 processes, under torchrun's environment (tests/runs.py `entry_point`: it makes the launch's
-default group and cuts the world in two, as under torchrun), without a launch's start-up; the runs
-that are killed and resumed are real torchrun launches, and so is the refused one.
+default group and cuts the world in two, as under torchrun), without a launch's start-up. So do
+the runs that are killed: the rank to kill SIGKILLs itself once a checkpoint is complete, and the
+pool kills the other ranks when it sees the death, as torchrun's agent does; the relaunch that
+resumes is a new run on new pool processes. The refused launch is a real torchrun launch.
 """
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.dist import run_distributed
+from tests.dist_pool import WorkerFailure
 from tests.runs import MOST_TOKENS, deterministic, entry_point, kept_token_fraction, read_metrics, train_runs
 
 pytestmark = [pytest.mark.distributed]
@@ -36,7 +39,6 @@ TINY = ROOT / "recipes" / "tiny_cpu.yaml"
 ASYNC = ROOT / "recipes" / "tiny_cpu_async.yaml"
 COMMON = ["trainer.save_every=0", "trainer.logger=[console]"]
 SEPARATE = ["rollout.placement=separate"]
-RUN_TIMEOUT_S = 300
 
 
 def _command(nproc: int, out: Path, name: str, overrides, recipe: Path = TINY) -> list[str]:
@@ -49,17 +51,8 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
 
 
-def launch(nproc: int, out: Path, name: str, *overrides: str, recipe: Path = TINY,
-           timeout: float = RUN_TIMEOUT_S) -> list[dict]:
-    """One torchrun launch of a tiny recipe; its metrics rows (it must succeed)."""
-    proc = subprocess.run(_command(nproc, out, name, overrides, recipe), check=False, capture_output=True, text=True,
-                          timeout=timeout, env=_env(), cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return read_metrics(out / name)
-
-
 def in_pool(nproc: int, out: Path, name: str, *overrides: str, recipe: Path = TINY) -> list[dict]:
-    """`launch`'s run with train's entry point on `nproc` processes of the worker pool; its metrics rows."""
+    """A launch's run: train's entry point on `nproc` processes of the worker pool; its metrics rows."""
     argv = ["--config", str(recipe), *COMMON, f"trainer.output_dir={out}", f"name={name}", *overrides]
     assert [code for code, _ in run_distributed(entry_point, nproc, "train", argv)] == [0] * nproc
     return read_metrics(out / name)
@@ -182,37 +175,35 @@ def test_exit_interval_then_resume_repeats_the_uninterrupted_run(uninterrupted, 
     assert len({r["loss"] for r in uninterrupted}) == 5
 
 
-def _launch_rank(process: psutil.Process) -> int | None:
+def _kill_self_after_checkpoint(latest: Path, finished: threading.Event) -> None:
+    """SIGKILL this process as soon as `latest` names a complete checkpoint (a thread of the rank to kill)."""
+    while not finished.is_set():
+        if latest.exists() and latest.read_text().strip():
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def killed_after_checkpoint(rank, world_size, argv, latest, kill_rank):
+    """train's entry point on a pool rank (tests/runs.py `entry_point`); rank `kill_rank` is SIGKILLed
+    once a checkpoint is complete, whatever it is doing then."""
+    finished = threading.Event()
+    if rank == kill_rank:
+        threading.Thread(target=_kill_self_after_checkpoint, args=(Path(latest), finished), daemon=True).start()
     try:
-        rank = process.environ().get("RANK")
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    return None if rank is None else int(rank)
+        return entry_point(rank, world_size, "train", argv)
+    finally:
+        finished.set()
 
 
 def _kill_rank_after_checkpoint(out: Path, name: str, rank: int) -> int:
-    """Launch the S=2 run saving every 2 steps, SIGKILL launch rank `rank` once a checkpoint is
-    complete, then the rest of the launch; the step `latest` names afterwards."""
-    proc = subprocess.Popen(_command(3, out, name, [*RESUME, "trainer.save_every=2"], ASYNC), env=_env(), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    """The S=2 run saving every 2 steps on 3 pool processes, rank `rank` SIGKILLed once a checkpoint
+    is complete; the pool then kills the other ranks, as torchrun's agent does when a rank dies. The
+    step `latest` names afterwards."""
+    argv = ["--config", str(ASYNC), *COMMON, f"trainer.output_dir={out}", f"name={name}", *RESUME,
+            "trainer.save_every=2"]
     latest = out / name / "checkpoints" / "latest"
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (latest.exists() and latest.read_text().strip()):
-            assert proc.poll() is None, f"the run exited ({proc.returncode}) before its first checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.02)
-        ranked = [p for p in psutil.Process(proc.pid).children(recursive=True) if _launch_rank(p) == rank]
-        # The worker itself, not the helpers it started (which inherit its environment).
-        workers = [p for p in ranked if p.ppid() not in {q.pid for q in ranked}]
-        assert len(workers) == 1, f"launch rank {rank}: {workers}"
-        workers[0].send_signal(signal.SIGKILL)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=60)
+    with pytest.raises(WorkerFailure, match=rf"rank {rank} of 3 died \(exit code -{int(signal.SIGKILL)}\)"):
+        run_distributed(killed_after_checkpoint, 3, argv, str(latest), rank)
     return int(latest.read_text())
 
 
@@ -222,8 +213,8 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_run(uninterrupted, tmp_p
     saved = _kill_rank_after_checkpoint(tmp_path, "killed", rank)
     assert saved in (2, 4)  # 5 would mean the run finished before the kill
     assert (tmp_path / "killed" / "checkpoints" / f"step_{saved:06d}" / "rollouts" / "dp0.pt").is_file()
-    resumed = launch(3, tmp_path, "killed", *RESUME, "trainer.save_every=2", "trainer.resume=true", recipe=ASYNC)
-    # The rows a killed launch logged after its checkpoint are replaced by the resumed run's.
+    resumed = in_pool(3, tmp_path, "killed", *RESUME, "trainer.save_every=2", "trainer.resume=true", recipe=ASYNC)
+    # The rows a killed run logged after its checkpoint are replaced by the resumed run's.
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert rows(resumed) == rows(uninterrupted)
 
