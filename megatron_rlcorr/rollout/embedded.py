@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from ..model.architecture import DecoderShape, rotary_inv_freq
 from ..model.weights import neutral_weight_shapes
+from ..parallel.cpu import outside_cuda_redirect
 from .base import LogprobsMode, Precision, RolloutBatch, routed_experts_dtype, weight_dtype
 from .embedded_batch import attach_routing, left_pad, to_batch
 from .precision import fp8_e4m3_qdq
@@ -373,6 +374,7 @@ class EmbeddedEngine:
     # ---- public --------------------------------------------------------------------------------
 
     @torch.no_grad()
+    @outside_cuda_redirect()  # on the CPU: skips the CPU patches' per-call torch function mode
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None) -> RolloutBatch:
         self._check_ready(prompts)
@@ -442,6 +444,7 @@ class EmbeddedEngine:
         """Nothing was given back (see sleep)."""
 
     @torch.no_grad()
+    @outside_cuda_redirect()
     def score(self, prompts: list[list[int]], responses: list[list[int]], *,
               temperature: float = 1.0) -> list[torch.Tensor]:
         """Teacher-forced float32 log-probs (CPU) of each response token: log_softmax(logits / T) over the
