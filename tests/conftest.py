@@ -4,6 +4,8 @@ from importlib import metadata
 import pytest
 import torch
 
+from tests.launched import tiny_cpu_launch  # noqa: F401  (a fixture: the session's real launch)
+
 
 def _version(distribution: str) -> str:
     try:

@@ -178,33 +178,35 @@ TOPOLOGY_NAMES=(NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE)
 # vLLM's sleep mode and expandable segments do not go together. Only when the allocator is set that
 # way is the recipe read (its base chain and the overrides) to see whether it uses sleep mode; if
 # it cannot be read here, the trainer reports the recipe (and checks this again).
+EXPANDABLE=0
 if [[ "${PYTORCH_CUDA_ALLOC_CONF:-}" == *expandable_segments:True* ]]; then
-  sleep_mode=$("$PY" - "$RECIPE" "${OVERRIDES[@]}" 2>/dev/null <<'EOF' || true
-import sys
-from pathlib import Path
-from megatron_rlcorr.recipe.tree import read_tree
-from megatron_rlcorr.rollout.base import RolloutConfig
-rollout = read_tree(Path(sys.argv[1]), sys.argv[2:]).get("rollout") or {}
-engine = rollout.get("engine", RolloutConfig.engine)
-level = rollout.get("sleep_level", RolloutConfig.sleep_level)
-print("yes" if engine == "vllm" and level else "no")
-EOF
-  )
-  if [[ "$sleep_mode" == yes ]]; then
-    die "PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF: vLLM's sleep mode (rollout.sleep_level > 0 with" \
-      "rollout.engine: vllm, in $RECIPE) does not work with expandable_segments:True; unset it, or add" \
-      "the override rollout.sleep_level=0"
-  fi
+  EXPANDABLE=1
 fi
 
 # --- the recipe for this launch -----------------------------------------------------------------
-# The snippet's last line: "roles TRAIN GENERATE" (the recipe validates for the launch), or
-# "error MESSAGE"; anything else (no interpreter, no megatron_rlcorr) means it was not checked.
+# One interpreter (each start imports torch: seconds) checks both. The snippet's last line:
+# "sleep_mode" (vLLM's sleep mode with expandable segments: refused), "roles TRAIN GENERATE" (the
+# recipe validates for the launch), or "error MESSAGE"; anything else (no interpreter, no
+# megatron_rlcorr) means it was not checked.
 WORLD=$((NNODES * GPUS_PER_NODE))
-check=$("$PY" - "$WORLD" "$RECIPE" "${OVERRIDES[@]}" 2>/dev/null <<'EOF' || true
+check=$("$PY" - "$EXPANDABLE" "$WORLD" "$RECIPE" "${OVERRIDES[@]}" 2>/dev/null <<'EOF' || true
 import sys
+expandable, world, path, overrides = sys.argv[1] == "1", int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+if expandable:
+    try:
+        from pathlib import Path
+        from megatron_rlcorr.recipe.tree import read_tree
+        from megatron_rlcorr.rollout.base import RolloutConfig
+        rollout = read_tree(Path(path), overrides).get("rollout") or {}
+        engine = rollout.get("engine", RolloutConfig.engine)
+        level = rollout.get("sleep_level", RolloutConfig.sleep_level)
+    except Exception:  # not read here: the recipe check below (or the trainer) reports it
+        pass
+    else:
+        if engine == "vllm" and level:
+            print("sleep_mode")
+            sys.exit()
 from megatron_rlcorr.recipe import load_recipe
-world, path, overrides = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 try:
     recipe = load_recipe(path, overrides)
     trainers = recipe.rollout.trainer_world(world)
@@ -222,6 +224,11 @@ EOF
 check=$(tail -n 1 <<<"$check")
 LAUNCH_SIZE="$WORLD ranks ($NNODES node(s) x $GPUS_PER_NODE)"
 case "$check" in
+  sleep_mode)
+    die "PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF: vLLM's sleep mode (rollout.sleep_level > 0 with" \
+      "rollout.engine: vllm, in $RECIPE) does not work with expandable_segments:True; unset it, or add" \
+      "the override rollout.sleep_level=0"
+    ;;
   "error "*) die "recipe $RECIPE for a launch of $LAUNCH_SIZE: ${check#error }" ;;
   "roles "*)
     read -r _ TRAIN_RANKS GENERATE_RANKS <<<"$check"

@@ -1,9 +1,7 @@
-"""The RL trainer end to end on 2 gloo processes: torchrun entry, resume, every correction preset."""
+"""The RL trainer end to end on 2 gloo processes: torchrun entry (the session's real launch,
+tests/launched.py), resume, every correction preset (these in the pool, tests/dist.py)."""
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,17 +18,16 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
 SMALL = ["data.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0",
          "trainer.logger=[console]"]
-def test_torchrun_end_to_end_writes_finite_metrics(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-         "megatron_rlcorr.train", "--config", str(TINY), "trainer.steps=3", f"trainer.output_dir={tmp_path}",
-         *SMALL, "algorithm.dynamic_sampling.enabled=true"],
-        capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_torchrun_end_to_end_writes_finite_metrics(tiny_cpu_launch):
+    """The session's real launch (tests/launched.py): tools/launch.sh's torchrun of
+    megatron_rlcorr.train on 2 processes, 3 steps; its console, metrics and final checkpoint."""
+    proc = tiny_cpu_launch.proc
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("step ") == 3 and "metrics:" in proc.stdout
     assert proc.stdout.count(" gen_tok/s=") == 3 and proc.stdout.count(" len_max=") == 3
-    run_dir = tmp_path / "tiny_cpu"
+    run_dir = tiny_cpu_launch.run_dir
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     required = {"reward_mean", "response_length_mean", "loss", "grad_norm", "lr", "timing/gen_s", "timing/train_s",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import warnings
@@ -179,26 +178,15 @@ def test_entry_points_import_megatron_core_only_inside_the_process_groups(tiny_h
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_a_real_run_prints_none_of_the_known_warnings(tmp_path):
-    """One process, one short step (Megatron-Core's import, model, distributed optimizer and step)."""
-    env = {k: v for k, v in os.environ.items() if k != VERBOSE_ENV}
-    env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rlcorr.train", "--config", str(ROOT / "recipes" / "tiny_cpu.yaml"),
-         "trainer.steps=1", f"trainer.output_dir={tmp_path}", "data.prompts_per_step=2", "rollout.n=2",
-         "rollout.max_new_tokens=2", "trainer.micro_batch_size=4", "trainer.save_every=0", "trainer.logger=[console]",
-         "algorithm.dynamic_sampling.enabled=false"],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step 1/1 " in proc.stdout
+def test_a_real_run_prints_none_of_the_known_warnings(tiny_cpu_launch):
+    """The session's real launch (tests/launched.py: tools/launch.sh, 2 processes, 3 steps with a
+    checkpoint; Megatron-Core's import, model, distributed optimizer, step and save): its console,
+    the ranks' stdout and stderr and the launcher's own, holds none of them."""
+    proc = tiny_cpu_launch.proc
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"step {tiny_cpu_launch.steps}/{tiny_cpu_launch.steps} " in proc.stdout
+    console = proc.stdout + proc.stderr
     for known in KNOWN_WARNINGS:
-        assert not re.search(known.message, proc.stderr, re.I), (known.message, proc.stderr[-3000:])
+        assert not re.search(known.message, console, re.I), (known.message, console[-3000:])
     for record in KNOWN_RECORDS:
-        assert not re.search(record.message, proc.stderr), (record.message, proc.stderr[-3000:])
+        assert not re.search(record.message, console), (record.message, console[-3000:])

@@ -1,42 +1,23 @@
 """tools/launch.sh, the multi-node launcher: topology from the environment or SLURM, the NCCL and
-Megatron-Core environment, input checks, the per-node log, and a real 2-process CPU run."""
+Megatron-Core environment, input checks, the per-node log, and a real 2-process CPU run (the session's
+one real launch, tests/launched.py, which test_trainer.py and test_console.py read too)."""
 import math
 import os
 import shutil
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.launched import ROOT, clean_env, launch
 from tests.runs import read_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
-LAUNCH = ROOT / "tools" / "launch.sh"
 TINY = "recipes/tiny_cpu.yaml"
 # The launcher checks the recipe for its launch (with the `python` on PATH, the test's own here):
 # these make the tiny recipe valid on every topology below (32, 16, 12 and 10 ranks).
 ANY_WORLD = ("data.prompts_per_step=480", "trainer.micro_batch_size=1")
-# What the launcher reads: cleared so that the machine running the tests (a SLURM job, a shell
-# with NCCL settings) does not change the outcome.
-LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "PYTHON", "LOG_DIR",
-               "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_AVOID_RECORD_STREAMS", "NCCL_IB_TIMEOUT",
-               "NCCL_P2P_NET_CHUNKSIZE", "PYTORCH_CUDA_ALLOC_CONF")
 DEFAULT_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
                "NCCL_IB_TIMEOUT": "19", "NCCL_P2P_NET_CHUNKSIZE": "2097152"}
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    # `python` is the interpreter running the tests, which imports the project: the recipe is checked
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return {**env, **extra}
-
-
-def launch(*args: str, env: dict[str, str], cwd: Path = ROOT, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(LAUNCH), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def exports(stdout: str) -> dict[str, str]:
@@ -57,12 +38,6 @@ def fake_tool(directory: Path, name: str, script: str) -> Path:
     path.write_text("#!/usr/bin/env bash\n" + script)
     path.chmod(0o755)
     return directory
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_dry_run_with_explicit_topology(tmp_path):
@@ -243,17 +218,14 @@ def test_log_and_exit_code_of_torchrun(tmp_path):
 
 
 @pytest.mark.distributed
-def test_two_process_cpu_run(tmp_path):
-    logs = tmp_path / "logs"
-    env = clean_env(PYTHON=sys.executable, NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
-                    LOG_DIR=str(logs), CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
-    proc = launch(TINY, "trainer.steps=2", f"trainer.output_dir={tmp_path}", "data.prompts_per_step=4",
-                  "rollout.n=4", "trainer.micro_batch_size=4", "trainer.save_every=0", "trainer.logger=[console]",
-                  "algorithm.dynamic_sampling.enabled=false", env=env, timeout=240)
+def test_two_process_cpu_run(tiny_cpu_launch):
+    """The launcher's real run: 2 processes on this machine (tests/launched.py), its output to the
+    terminal and to LOG_DIR's node0.log."""
+    proc, steps = tiny_cpu_launch.proc, tiny_cpu_launch.steps
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = read_metrics(tmp_path / "tiny_cpu")
-    assert [r["step"] for r in records] == [1, 2]
+    records = read_metrics(tiny_cpu_launch.run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
-    log = (logs / "node0.log").read_text()
-    assert "step 1/2 " in log and "step 2/2 " in log and "metrics: " in log
-    assert "step 2/2 " in proc.stdout
+    log = tiny_cpu_launch.log
+    assert all(f"step {step}/{steps} " in log for step in range(1, steps + 1)) and "metrics: " in log
+    assert f"step {steps}/{steps} " in proc.stdout
