@@ -1,6 +1,7 @@
-"""Helpers for tests that train whole runs: metrics records, and training several recipes in turn
+"""Helpers for tests that train whole runs: metrics records, training several recipes in turn
 inside one gloo world (`run_distributed(train_runs, world_size, runs)`, or `train_runs_in_env` where the
-runs need environment variables of their own)."""
+runs need environment variables of their own), and an entry point (train, score, eval) run on a
+pool's processes as torchrun would run it (`entry_point`), without a launch's start-up."""
 from __future__ import annotations
 
 import json
@@ -81,10 +82,17 @@ def train_runs_in_env(rank, world_size, runs, env):
 
 
 def entry_point(rank, world_size, module, argv):
-    """`python -m megatron_rlcorr.MODULE ARGV` (train, score: an entry point that makes the launch's
+    """`python -m megatron_rlcorr.MODULE ARGV` (train, score, eval: an entry point that makes the launch's
     default group itself) on this rank of a pool (tests/dist_pool.py), as under torchrun: the pool's
     group is put aside first and made again after the case (with rollout.placement separate, train
     cuts the world into trainer and rollout ranks). (exit code, what it printed to stdout)."""
+    code, stdout, _ = entry_point_printing(rank, world_size, module, argv)
+    return code, stdout
+
+
+def entry_point_printing(rank, world_size, module, argv):
+    """entry_point, with what it printed to stderr too (its warnings and errors, which it prints to
+    sys.stderr): (exit code, stdout, stderr)."""
     import contextlib
     import importlib
     import io
@@ -93,7 +101,7 @@ def entry_point(rank, world_size, module, argv):
 
     main = importlib.import_module(f"megatron_rlcorr.{module}").main
     dist.destroy_process_group()
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main(argv)
-    return code, printed.getvalue()
+    return code, stdout.getvalue(), stderr.getvalue()

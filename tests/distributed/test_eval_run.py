@@ -1,11 +1,18 @@
 """`megatron-rlcorr eval` launched from the CLI on 2 gloo processes, on the tiny Hugging Face checkpoint
 (tools/make_tiny_hf.py, conftest.py: `tiny_hf`): greedy evaluation is transformers' greedy generation,
 token for token, and metrics.json agrees with generations.jsonl, per data source, with a reward
-per data source (`data.reward` as a mapping)."""
+per data source (`data.reward` as a mapping).
+
+This is eval's CLI test, a real launch (the CLI process, torchrun and its workers; test_validation.py
+runs eval's entry point in the pool). The test computes transformers' generations while the launch
+runs, on the core it leaves idle while the CLI process checks the arguments and torchrun starts, one
+process at a time."""
 import json
 import os
+import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,10 +35,22 @@ def graded(response: str, ground_truth, extra: dict) -> dict:
     return {"score": score, "acc": score > 0, "pred": extract_answer(response)}
 
 
-def _cli(*args, timeout=300):
+@contextmanager
+def _cli_started(log_dir: Path, *args):
+    """`python -m megatron_rlcorr.cli ARGS` started, not awaited (its stdout and stderr go to files in
+    `log_dir`, as a full pipe would stall it while the test works); ended if the block leaves before
+    it did: SIGTERM to the CLI and torchrun (a session of their own), on which torchrun ends its
+    workers (each in its own session)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, "-m", "megatron_rlcorr.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    with (log_dir / "stdout").open("w") as stdout, (log_dir / "stderr").open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_rlcorr.cli", *map(str, args)], stdout=stdout,
+                                stderr=stderr, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
 
 
 def _transformers_greedy(model_dir: Path, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
@@ -62,18 +81,21 @@ def test_greedy_eval_is_transformers_greedy_and_metrics_match_generations(tiny_h
     other_file = tmp_path / "other.jsonl"
     other_file.write_text("".join(json.dumps(row) + "\n" for row in others))
     out = tmp_path / "eval"
-    proc = _cli("eval", "--model", tiny_hf / "model", "--data", val, other_file, "--out", out, "--temperature", "0",
-                "--max-new-tokens", MAX_NEW_TOKENS, "--nproc", "2", "model.bf16=false", "rollout.precision=fp32",
-                f"data.reward={{math_dapo: dapo_math, {OTHER}: tests.distributed.test_eval_run:graded}}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    every_row = rows + others
+    with _cli_started(tmp_path, "eval", "--model", tiny_hf / "model", "--data", val, other_file, "--out", out,
+                      "--temperature", "0", "--max-new-tokens", MAX_NEW_TOKENS, "--nproc", "2", "model.bf16=false",
+                      "rollout.precision=fp32",
+                      f"data.reward={{math_dapo: dapo_math, {OTHER}: tests.distributed.test_eval_run:graded}}") as proc:
+        greedy = _transformers_greedy(tiny_hf / "model", every_row)
+        returncode = proc.wait(timeout=300)
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    assert returncode == 0, stderr[-3000:]
     records = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     metrics = json.loads((out / "metrics.json").read_text())
 
     # one record per prompt (n = 1), in file order, with transformers' prompt and greedy response
-    every_row = rows + others
     assert len(records) == len(every_row)
-    for record, row, (prompt_ids, response_ids) in zip(records, every_row, _transformers_greedy(tiny_hf / "model",
-                                                                                                 every_row)):
+    for record, row, (prompt_ids, response_ids) in zip(records, every_row, greedy):
         assert record["prompt_ids"] == prompt_ids
         assert record["response_ids"] == response_ids, (row["prompt"], record["response"])
         assert record["data_source"] == row["data_source"]
@@ -97,4 +119,4 @@ def test_greedy_eval_is_transformers_greedy_and_metrics_match_generations(tiny_h
         # both rewards give acc: the core variable
         assert metrics[f"val-core/{source}/acc/mean@1"] == pytest.approx(sum(r["acc"] for r in mine) / len(mine))
         assert metrics[f"val-aux/{source}/reward/mean@1"] == pytest.approx(mean_score)
-    assert f"evaluated {len(every_row)} prompts x 1 samples (greedy" in proc.stdout
+    assert f"evaluated {len(every_row)} prompts x 1 samples (greedy" in stdout

@@ -1,6 +1,7 @@
 """The real path end to end on gloo: a Hugging Face checkpoint and a parquet dataset in, RL, a Hugging
-Face checkpoint out; `megatron-rlcorr score` and `export` launched from the CLI (score on one and two
-ranks from the CLI, under the other layouts through its entry point in the process pool).
+Face checkpoint out; `megatron-rlcorr score` and `export` launched from the CLI (score once, on two
+ranks under tp2: the command's contract; under the other layouts and on the run's checkpoints through
+its entry point in the process pool, tests/runs.py `entry_point`).
 
 The run uses tools/make_tiny_hf.py's files (conftest.py: `tiny_hf`); `score` on a checkpoint of
 tests/hf_models.py is compared with transformers' own float32 log-probs.
@@ -123,17 +124,13 @@ def test_score_a_run_checkpoint(trained_run, tmp_path):
     step_dir = trained_run / "checkpoints" / "step_000002"
     expected = hf_log_probs(trained_run / "hf", tokens, TEMPERATURE)[:, 4:]
     # The checkpoint was written by dp=2; a distributed checkpoint loads under any layout. The dp2
-    # layout scores the step's folder through the CLI (a launch); tp2 and pp2 score the run folder
-    # (its latest checkpoint) with score's entry point in the pool (test_score_matches_transformers).
+    # layout scores the step's folder, tp2 and pp2 the run folder (its latest checkpoint), each with
+    # score's entry point on 2 processes of the pool (the CLI launch is test_score_matches_transformers').
     for name, layout in {"dp2": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}.items():
         out = tmp_path / f"{name}.jsonl"
         args = ["--model", str(step_dir if name == "dp2" else trained_run), "--rollouts", str(rollouts),
                 "--out", str(out), f"rollout.temperature={TEMPERATURE}", *layout]
-        if name == "dp2":
-            proc = _cli("score", *args)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        else:
-            assert [code for code, _ in run_distributed(entry_point, 2, "score", args)] == [0, 0], name
+        assert [code for code, _ in run_distributed(entry_point, 2, "score", args)] == [0, 0], name
         records = [json.loads(line) for line in out.read_text().splitlines()]
         assert len(records) == len(tokens)
         for record, want in zip(records, expected):
@@ -163,12 +160,14 @@ def scoring(tmp_path_factory):
     return checkpoint, rollouts, records, expected
 
 
-LAYOUTS = {"tp1": ["--nproc", "1"], "tp2": ["parallel.tp=2"], "cp2": ["parallel.cp=2"],
-           "pp2": ["parallel.pp=2", "trainer.micro_batch_size=1"], "dp2": ["--nproc", "2", "trainer.micro_batch_size=2"]}
-# Launched from the CLI (torchrun, new processes): the command's contract, on one and on two ranks.
-# The other layouts run score's entry point in the session's 2-process pool: the same code under
-# torchrun's environment, without a launch's start-up (tests/dist_pool.py).
-CLI_LAYOUTS = ("tp1", "tp2")
+# (processes, overrides) per layout.
+LAYOUTS = {"tp1": (1, []), "tp2": (2, ["parallel.tp=2"]), "cp2": (2, ["parallel.cp=2"]),
+           "pp2": (2, ["parallel.pp=2", "trainer.micro_batch_size=1"]), "dp2": (2, ["trainer.micro_batch_size=2"])}
+# Launched from the CLI (torchrun, new processes): the command's contract, on two ranks, its launch
+# size taken from the layout. The other layouts run score's entry point in the session's pool of
+# their size: the same code under torchrun's environment, without a launch's start-up
+# (tests/dist_pool.py).
+CLI_LAYOUT = "tp2"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -177,12 +176,14 @@ def test_score_matches_transformers(scoring, tmp_path, layout):
     out = tmp_path / "out.jsonl"
     args = ["--model", str(checkpoint), "--rollouts", str(rollouts), "--out", str(out),
             f"rollout.temperature={TEMPERATURE}"]
-    if layout in CLI_LAYOUTS:
-        proc = _cli("score", *args, *LAYOUTS[layout])
+    nproc, overrides = LAYOUTS[layout]
+    if layout == CLI_LAYOUT:
+        proc = _cli("score", *args, *overrides)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"--nproc_per_node={nproc}" in proc.stdout  # tp*pp*cp of the layout
     else:
-        overrides = [a for a in LAYOUTS[layout] if a not in ("--nproc", "2")]
-        assert [code for code, _ in run_distributed(entry_point, 2, "score", [*args, *overrides])] == [0, 0]
+        codes = [code for code, _ in run_distributed(entry_point, nproc, "score", [*args, *overrides])]
+        assert codes == [0] * nproc
     scored = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in scored] == [r["id"] for r in records]  # order and pass-through fields kept
     for record, got, want in zip(records, scored, expected):

@@ -2,22 +2,20 @@
 checkpoint: the metrics and records do not depend on the parallel layout (one process, dp2, tp2,
 pp2; greedy and sampled), a run stopped and resumed validates at the same steps with the same
 numbers as the uninterrupted one, val_only validates only, log_val_generations writes N records,
-and `megatron-rlcorr eval` of a run checkpoint repeats the run's validation at that step.
+and `megatron-rlcorr eval` of a run checkpoint repeats the run's validation at that step (eval's entry
+point on the process pool, tests/runs.py `entry_point`; its CLI launch is test_eval_run.py's).
 
 The validation file holds 6 rows of the tiny dataset under two data sources; the reward is dapo_math
 wrapped to return verl's mapping (score, acc, pred), so acc is the core variable and maj@k is computed.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_rlcorr.data.rewards import dapo_math, extract_answer
 from tests.dist import run_distributed
-from tests.runs import deterministic, train_runs
+from tests.runs import deterministic, entry_point_printing, train_runs
 
 pytestmark = [pytest.mark.distributed]
 
@@ -186,16 +184,15 @@ def test_val_only_validates_and_stops(worlds):
 
 @pytest.mark.timeout(600)  # alone, it also starts the module's worlds
 def test_eval_of_a_checkpoint_repeats_the_runs_validation_at_its_step(worlds, tmp_path):
-    """`megatron-rlcorr eval` of the dp2 run's last checkpoint (step 3) with the run's own recipe
-    (sampled: val_kwargs n 4 at temperature 1), on one process: the metrics the run logged at step 3
-    and the same first records, as eval seeds like validation at the checkpoint's step (not 0)."""
+    """`megatron-rlcorr eval --nproc 1` of the dp2 run's last checkpoint (step 3) with the run's own
+    recipe (sampled: val_kwargs n 4 at temperature 1), as eval's entry point on a 1-process pool (what
+    the CLI launches with torchrun): the metrics the run logged at step 3 and the same first records,
+    as eval seeds like validation at the checkpoint's step (not 0)."""
     out, whole = worlds["out"], worlds["whole"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "megatron_rlcorr.cli", "eval", "--model", str(out / "whole"),
-                           "--data", str(out / "val.jsonl"), "--out", str(tmp_path / "eval"), "--nproc", "1"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "seeded as validation at step 3" in proc.stdout and "warning:" not in proc.stderr
+    argv = ["--model", str(out / "whole"), "--data", str(out / "val.jsonl"), "--out", str(tmp_path / "eval")]
+    [(code, stdout, stderr)] = run_distributed(entry_point_printing, 1, "eval", argv)
+    assert code == 0, stderr[-3000:]
+    assert "seeded as validation at step 3" in stdout and "warning:" not in stderr
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert metrics == {k: v for k, v in whole[-1].items() if k.startswith("val-")}
     records = _lines(tmp_path / "eval" / "generations.jsonl")
