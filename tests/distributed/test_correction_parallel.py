@@ -10,11 +10,14 @@ dp_rank * cp + cp_rank; every rank builds every group in the same order. DP shar
 (unevenly: 11 sequences). CP shards each sequence by Megatron's zigzag (2*cp chunks, rank r
 holds r and 2cp-1-r) or by an arbitrary random assignment of its tokens (ranks may hold none of
 a sequence), in the padded [B, T] and the packed (cu_seqlens, trailing padding) layouts.
-One spawn per world size runs every configuration and returns all outputs.
+One run per world size, on the test pool's processes (tests/dist.py), runs every configuration and
+returns all outputs; the compiled call's comparison runs there too (`_compiling_in_the_pool`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -109,7 +112,7 @@ def _shard(old, rollout, mask, cu, cp: int, dp: int, zigzag: bool, seed: int):
 
 
 def _jobs(world_size: int):
-    """Every (layout, config, variant) case for one spawn, with its shards and its baseline."""
+    """Every (layout, config, variant) case for one run, with its shards and its baseline."""
     jobs = []
     for cp, dp in LAYOUTS[world_size]:
         for name in CONFIGS:
@@ -299,12 +302,45 @@ def test_shards_cover_every_token_once():
 COMPILED_JOBS = [((2, 1), "packed-random"), ((1, 2), "padded-zigzag")]  # CP live; DP live
 
 
+@contextlib.contextmanager
+def _compiling_in_the_pool():
+    """Compile in a pool worker and leave nothing the pool's leak check watches (tests/dist_pool.py):
+    - no tqdm monitor thread: torch.fx's Interpreter makes a (disabled) progress bar on each run, and
+      tqdm starts its monitor thread with the first bar, disabled or not, to run until the process
+      exits; `monitor_interval = 0` is tqdm's switch for it;
+    - Dynamo's caches dropped (`torch._dynamo.reset()`), and with them the functions it installed in
+      the traced modules (correction.core, .rows, .compiled): its compiled graphs and resume
+      functions (`__compiled_fn_*`, `__resume_at_*`). Dynamo removes those when the code it
+      generated is freed, but c10d's flight recorder (on for gloo) keeps the code of every frame that
+      called a collective, here the generated code around each all-reduce, for its next 2000
+      collectives; so Dynamo's own clean-up hooks are run here, once no cache entry can run that
+      code. What stays is data Dynamo adds as in any process that compiles, which the check does not
+      watch: module aliases (`__import_*`) and builtins dicts."""
+    import torch._dynamo
+    from torch._dynamo.utils import CleanupManager
+    from torch.hub import tqdm  # what torch.fx uses: tqdm's, or torch's stand-in where tqdm is absent
+
+    try:
+        with mock.patch.object(tqdm, "monitor_interval", 0, create=True):
+            yield
+    finally:
+        torch._dynamo.reset()
+        hooks = [hook for entry in CleanupManager.instance.values.values() for hook in entry]
+        CleanupManager.instance.clear()  # each hook runs once: not again when the recorder lets go
+        for hook in hooks:
+            hook()
+
+
 def _compiled_worker(rank: int, world_size: int, jobs):
     """The compiled call (aot_eager: cheap on a CPU) against the eager one on this rank's shard:
     the collectives run between the compiled pieces, the same calls with the same payloads."""
-    import torch._dynamo
+    with _compiling_in_the_pool():
+        return _compare_compiled(rank, jobs)
 
+
+def _compare_compiled(rank: int, jobs) -> list[str]:
     from megatron_rlcorr.correction.compiled import RTOL, compute_rollout_correction_compiled
+    from tests.unit.test_correction_compiled import TRACE_CONFIG
 
     groups = {layout: _groups(rank, *layout) for layout, _ in COMPILED_JOBS}
     problems = []
@@ -314,7 +350,7 @@ def _compiled_worker(rank: int, world_size: int, jobs):
         kwargs = dict(cu_seqlens=shard["cu_seqlens"], cp_group=cp_group, dp_group=dp_group)
         with _CollectiveLog() as eager_log:
             want = compute_rollout_correction(*args, **kwargs)
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), _CollectiveLog() as log:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **TRACE_CONFIG), _CollectiveLog() as log:
             got = compute_rollout_correction_compiled(*args, **kwargs, backend="aot_eager")
         where = f"{job['layout']} {job['variant']} rank {rank}"
         if log.calls != eager_log.calls:
@@ -334,7 +370,5 @@ def test_compiled_equals_eager_with_groups():
     """compute_rollout_correction_compiled with a live CP group, then a live DP group (DAPO's settings)."""
     jobs = [job for job in _jobs(2) if job["name"] == "dapo" and (job["layout"], job["variant"]) in COMPILED_JOBS]
     assert len(jobs) == len(COMPILED_JOBS)
-    # New processes: Dynamo leaves its compiled functions in the modules it traced and a tqdm thread,
-    # which the pool would report as state a case left behind.
-    problems = sum(run_distributed(_compiled_worker, 2, jobs, fresh=True), [])
+    problems = sum(run_distributed(_compiled_worker, 2, jobs), [])
     assert not problems, "\n".join(problems)

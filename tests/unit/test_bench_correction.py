@@ -65,8 +65,12 @@ def test_table_with_the_compiled_call(capsys):
     (aot_eager: the CPU cannot afford Inductor's C++ compilation in a unit test)."""
     import torch._dynamo  # seconds to import: only this test needs it
 
+    from tests.unit.test_correction_compiled import TRACE_CONFIG
+
     torch._dynamo.reset()  # the variants other tests compiled do not count against the recompile limit
-    bench.main(["--sizes", "8K", "--repeats", "1", "--device", "cpu", "--compile", "--compile-backend", "aot_eager"])
+    with torch._dynamo.config.patch(**TRACE_CONFIG):
+        bench.main(["--sizes", "8K", "--repeats", "1", "--device", "cpu", "--compile", "--compile-backend",
+                    "aot_eager"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[-7:] == ["first", "call", "s", "compiled", "ms", "vs", "ours"]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
