@@ -25,7 +25,8 @@ What a case may leave behind, and what it may not (checked after every case, on 
 - The torch RNG is reseeded from the OS before each case, as a new process's is.
 - The parent's environment as it is at the call (a test's `monkeypatch.setenv`) is applied in the
   workers for the case and undone after it, as spawned processes inherited it. Variables that a
-  process reads only when it starts (malloc's `MALLOC_*`) need new processes: `fresh=True`.
+  process reads only when it starts (malloc's `MALLOC_*`) need new processes: `fresh=True`, or the
+  setting made in the case (mallopt) and the workers retired after it (`retire_after_case`).
 
 Failures: an exception on any rank is re-raised in pytest with that rank's traceback; a hang fails
 within the collective timeout (tests/dist.py COLLECTIVE_TIMEOUT) on the hung rank, or at pytest's
@@ -33,7 +34,8 @@ own timeout; a worker that dies (a crash, os._exit, a signal) is named with its 
 test that was running. In each of these cases the whole pool is discarded and the next case of that
 world size gets fresh processes. A worker whose native threads or resident memory grew past what a clean
 tear-down leaves (`_worn`: state a case left that the tear-down does not know) exits after its reply:
-the case passes, and the next one gets fresh processes.
+the case passes, and the next one gets fresh processes; so does a worker whose case asked for it
+(`retire_after_case`: process state the case changed on purpose and no tear-down can undo).
 
 Wire format: the function (by reference: a module-level function of the test module), its
 arguments and the results travel as torch.save bytes over a pipe, as they did through files
@@ -261,6 +263,16 @@ def _worn(baseline_threads: int) -> str | None:
     return None
 
 
+_retirement: list[str] = []  # why the running case asked for its worker to be replaced (`retire_after_case`)
+
+
+def retire_after_case(reason: str) -> None:
+    """For a case that changes process state the tear-down cannot undo (malloc's tunables set with
+    mallopt): this worker exits after replying, as a worn one does (`_worn`), and the next case of
+    the pool's world size gets new processes. The case itself passes or fails on its own."""
+    _retirement.append(reason)
+
+
 def _apply_env(changes: dict[str, str | None]) -> dict[str, str | None]:
     """Set (None: unset) these variables; return what undoes it."""
     undo = {key: os.environ.get(key) for key in changes}
@@ -339,7 +351,7 @@ def worker_main(rank: int, world_size: int, port: int, conn, timeout, env: dict[
         except BaseException:  # noqa: BLE001
             problems = [f"tear-down failed:\n{traceback.format_exc()}"]
         reply["leaks"] = problems
-        reply["worn"] = None if problems else _worn(baseline_threads)
+        reply["worn"] = None if problems else (_worn(baseline_threads) or "; ".join(_retirement) or None)
         conn.send_bytes(_dumps(reply))
         if problems or reply["worn"]:
             return

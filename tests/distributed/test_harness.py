@@ -108,6 +108,14 @@ def _keep_groups_alive(rank, world, count):
     _KEPT.extend(dist.new_group([0, 1]) for _ in range(count))
 
 
+def _retire_rank0(rank, world):
+    from tests.dist_pool import retire_after_case
+
+    if rank == 0:
+        retire_after_case("a setting no tear-down undoes")
+    return os.getpid()
+
+
 def _read_env(rank, world, key):
     return os.environ.get(key)
 
@@ -198,6 +206,16 @@ def test_a_worker_worn_by_kept_threads_is_replaced_not_failed(pool2):
     pool.run(_keep_groups_alive, (_SPARE_THREADS // 3 + 2,), "keeps groups")  # 3 threads a gloo group
     assert len(pool.worn) == 2 and all("threads" in why for why in pool.worn), pool.worn
     assert not pool.alive()
+
+
+def test_a_case_may_retire_its_workers(pool2):
+    """`retire_after_case`: the case passes, the rank that asked exits after its reply, and the pool
+    is not reused (the next case of its world size gets new processes)."""
+    pool = pool2()
+    pids = pool.run(_retire_rank0, (), "retires")
+    assert pool.worn == ["rank 0: a setting no tear-down undoes"]
+    assert not pool.alive()
+    assert pool2().run(_retire_rank0, (), "new processes")[0] not in pids
 
 
 def test_workers_are_forked_from_the_preloaded_template(pool2):

@@ -17,7 +17,7 @@ BUCKET_MB = 2
 def _peak_mib(fn):
     """Peak resident memory while fn runs, above the resident memory at its start, sampled every
     0.2 ms from /proc/self/statm. The workers allocate every block above 64 KiB with mmap
-    (MALLOC_MMAP_THRESHOLD_, set by the test), so a freed tensor leaves the resident set at once.
+    (`_mmap_above_64_kib`), so a freed tensor leaves the resident set at once.
     (torch's CPU memory profiler does not see the frees of gloo's all-gather buffers.)"""
     import os
     import threading
@@ -81,10 +81,25 @@ def _worker(rank, world, tp, pp):
 LAYOUTS = [(2, 1), (1, 2)]
 
 
+def _mmap_above_64_kib() -> None:
+    """glibc malloc's mmap threshold at 64 KiB for this process (`mallopt(M_MMAP_THRESHOLD)`, what
+    MALLOC_MMAP_THRESHOLD_ sets at a process's start), so that a freed tensor leaves the resident set
+    at once. No tear-down undoes it: the pool's workers are replaced after the case."""
+    import ctypes
+
+    from tests.dist_pool import retire_after_case
+
+    m_mmap_threshold = -3  # malloc.h
+    assert ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 64 * 1024) == 1
+    retire_after_case("malloc's mmap threshold set (test_weight_stream.py)")
+
+
 def _layouts_worker(rank, world, layouts):
-    """_worker on each (tp, pp) in turn, in the same processes (their groups torn down in between)."""
+    """_worker on each (tp, pp) in turn, in the same processes (their groups torn down in between),
+    with every block above 64 KiB allocated by mmap (`_mmap_above_64_kib`)."""
     from megatron_rlcorr.parallel.groups import destroy_parallel_groups
 
+    _mmap_above_64_kib()
     out = {}
     for tp, pp in layouts:
         out[tp, pp] = _worker(rank, world, tp, pp)
@@ -94,11 +109,8 @@ def _layouts_worker(rank, world, layouts):
 
 @pytest.fixture(scope="module")
 def streamed():
-    """Every layout's results, per rank: one call of new processes for both layouts, as
-    MALLOC_MMAP_THRESHOLD_ is read by malloc when a process starts (fresh, not the session's pool)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-        return run_distributed(_layouts_worker, 2, LAYOUTS, fresh=True)
+    """Every layout's results, per rank: one call of the pool's processes for both layouts."""
+    return run_distributed(_layouts_worker, 2, LAYOUTS)
 
 
 @pytest.mark.parametrize("tp, pp", LAYOUTS)
