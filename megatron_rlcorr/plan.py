@@ -221,14 +221,12 @@ def plan_command(path: str, overrides: Sequence[str], *, nodes: int, gpus_per_no
 
     try:
         if search:
-            from .recipe.layout_search import search_layouts, why_none_fits
+            from .recipe.layout_search import search_with_reason
             from .recipe.tree import read_tree
 
             _check_launch(nodes, gpus_per_node, gpu_memory_gib)
-            candidates = search_layouts(path, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
-                                        gpu_memory_gib=gpu_memory_gib)
-            why_none = "" if candidates else why_none_fits(read_tree(Path(path), overrides), nodes=nodes,
-                                                            gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)
+            candidates, why_none = search_with_reason(read_tree(Path(path), overrides), nodes=nodes,
+                                                      gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)
             if why_none and as_json:
                 print(f"plan {path}: no layout of the search space fits: {why_none}", file=sys.stderr)
             if as_json:

@@ -12,6 +12,7 @@ one check of a Literal option used by the types' own validation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Any, Literal, Mapping, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -26,8 +27,7 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, section: str) 
         mapping = {}
     if not isinstance(mapping, Mapping):
         raise ValueError(f"{section} must be a mapping of settings, got {type(mapping).__name__}: {mapping!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    hints = get_type_hints(cls)
+    fields, hints = _fields_and_hints(cls)
     retired = getattr(cls, "RETIRED_KEYS", {})
     kwargs = {}
     for key, value in mapping.items():
@@ -45,6 +45,13 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, section: str) 
         return cls(**kwargs)
     except ValueError as err:
         raise ValueError(f"{section}: {err}") from None
+
+
+@functools.cache
+def _fields_and_hints(cls: type) -> tuple[dict[str, dataclasses.Field], dict[str, Any]]:
+    """The init fields of a settings type and their resolved annotations: resolving them evaluates
+    every annotation's string, so it is done once per type (a plan --search parses hundreds of recipes)."""
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}, get_type_hints(cls)
 
 
 def coerce(value: Any, annotation: Any, name: str) -> Any:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import io
 import sys
@@ -149,6 +150,7 @@ def read_class(cls: type) -> tuple[str, tuple[FieldDoc, ...]]:
     return docstring, tuple(found[name] for name in wanted)
 
 
+@functools.cache
 def _class_source(cls: type) -> tuple[str, tuple[ast.ClassDef, str]]:
     lines, _ = inspect.getsourcelines(cls)
     source = textwrap.dedent("".join(lines))
@@ -156,19 +158,31 @@ def _class_source(cls: type) -> tuple[str, tuple[ast.ClassDef, str]]:
     return ast.get_docstring(node) or "", (node, source)
 
 
-def _declared_fields(cls: type) -> list[FieldDoc]:
+@functools.cache
+def _declared_fields(cls: type) -> tuple[FieldDoc, ...]:
     """The annotated fields declared in the body of `cls` itself, with their comments."""
     _, (node, source) = _class_source(cls)
     trailing, standalone = _comments(source)
+    lines = source.split("\n")
     fields = []
     for stmt in node.body:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             continue
-        annotation = ast.get_source_segment(source, stmt.annotation)
-        default = None if stmt.value is None else _default_text(ast.get_source_segment(source, stmt.value))
+        annotation = _source_segment(lines, stmt.annotation)
+        default = None if stmt.value is None else _default_text(_source_segment(lines, stmt.value))
         fields.append(FieldDoc(stmt.target.id, " ".join(annotation.split()), default,
                                _field_comment(stmt, trailing, standalone), None))
-    return fields
+    return tuple(fields)
+
+
+def _source_segment(lines: list[str], node: ast.expr) -> str:
+    """ast.get_source_segment of a node of the source split at its newlines (split once per class:
+    get_source_segment splits the whole source on every call). Columns are UTF-8 byte offsets."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    return "\n".join([lines[first].encode()[node.col_offset:].decode(), *lines[first + 1:last],
+                      lines[last].encode()[:node.end_col_offset].decode()])
 
 
 def _comments(source: str) -> tuple[dict[int, tuple[int, str]], dict[int, tuple[int, str]]]:

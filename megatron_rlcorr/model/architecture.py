@@ -25,6 +25,7 @@ Pure Python and torch: no Megatron-Core import.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -178,12 +179,13 @@ class DecoderShape:
             return self.layer_parameters
         return self.attention_parameters + self.moe.block_parameters(self.hidden_size, active=active)
 
-    @property
+    # cached (the shape is frozen): the sums run over every layer, and plan --search asks per candidate
+    @functools.cached_property
     def parameter_count(self) -> int:
         """All parameters as in the Hugging Face checkpoint (unpadded vocabulary; a tied head once)."""
         return self._count(active=False)
 
-    @property
+    @functools.cached_property
     def active_parameter_count(self) -> int:
         """Parameters one token computes with: parameter_count with only router_topk experts per
         MoE layer (the "A3B" of Qwen3-30B-A3B; embedding and output layer included)."""

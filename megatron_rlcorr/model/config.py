@@ -7,6 +7,7 @@ safetensors; architecture keys also given in the recipe must agree with config.j
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,9 +228,10 @@ class ModelConfig:
             raise ValueError("fp8 needs transformer_impl: transformer_engine (Megatron-Core's local layers have no "
                              "FP8 GEMMs): remove fp8, or set transformer_impl: transformer_engine (or leave it unset)")
 
-    @property
+    @functools.cached_property
     def decoder_shape(self) -> DecoderShape:
-        """The architecture alone, as the reference forward and the rollout engines take it."""
+        """The architecture alone, as the reference forward and the rollout engines take it (built once:
+        the config is frozen, and the memory model asks for it per layer)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecoderShape)}
         return DecoderShape(**{**fields, "moe": None if self.moe is None else self.moe.shape})
 

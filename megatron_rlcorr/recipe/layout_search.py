@@ -11,7 +11,8 @@ headroom `plan` keeps (plan.HEADROOM). With rollout.placement separate the candi
 of the trainer ranks (the launch less rollout.num_ranks), whose memory holds no engine; when a
 rollout rank's engine does not fit its GPU (memory.rollout_rank_bytes) no candidate does. When none
 fits, `why_none_fits` says why: that engine, the settings every layout fails to validate on (batch
-sizes the data-parallel sizes do not divide, ...), or the memory of the smallest layout that validates.
+sizes the data-parallel sizes do not divide, ...), or the memory of the smallest layout that validates;
+`search_with_reason` gives both from one pass over the layouts.
 
 Ranking: an estimate of the seconds per RL step spent waiting on other GPUs, from bytes moved and
 link bandwidth, plus the pipeline bubble and recomputation as time. The constants below are
@@ -40,7 +41,7 @@ import copy
 import itertools
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -101,20 +102,77 @@ def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gp
 def search_tree(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> list[Candidate]:
     """search_layouts of a recipe tree (read once; each candidate applies its layout to a copy).
     ValueError when the recipe itself does not load (its message)."""
+    return search_with_reason(tree, nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)[0]
+
+
+def why_none_fits(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> str:
+    """Why search_tree found nothing: the engine of a rollout rank, the validation every layout fails
+    (the commonest message: batch sizes not divisible by the data-parallel size, ...), or the memory."""
+    return _search(tree, nodes, gpus_per_node, gpu_memory_gib).why()
+
+
+def search_with_reason(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int,
+                       gpu_memory_gib: float) -> tuple[list[Candidate], str]:
+    """search_tree's candidates and, when there are none, why_none_fits's reason ("" otherwise),
+    from one pass over the layouts (each candidate is parsed, validated and estimated once)."""
+    found = _search(tree, nodes, gpus_per_node, gpu_memory_gib)
+    return found.candidates, "" if found.candidates else found.why()
+
+
+@dataclass
+class _Search:
+    """What one pass over the search space found: the candidates that fit, and what why_none_fits
+    needs (the validation errors by setting, the smallest memory of a layout that validates)."""
+
+    world: int
+    gpu_memory_gib: float
+    engine_bytes: float | None = None     # a rollout rank's engine, when it does not fit its GPU
+    candidates: list[Candidate] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)   # by the setting each message starts with (its first word)
+    examples: dict[str, str] = field(default_factory=dict)
+    smallest: float | None = None
+
+    def why(self) -> str:
+        usable = usable_bytes(self.gpu_memory_gib) / GiB
+        if self.engine_bytes is not None:
+            return (f"a rollout rank's engine needs {self.engine_bytes / GiB:.1f} GiB, more than the {usable:.1f} GiB "
+                    "usable: lower rollout.gpu_memory_utilization or raise rollout.tensor_parallel_size")
+        if self.smallest is not None:
+            return (f"every layout that validates needs at least {self.smallest / GiB:.1f} GiB per GPU, more than the "
+                    f"{usable:.1f} GiB usable: more GPUs, a shorter token budget "
+                    "(trainer.max_tokens_per_micro_batch), more offload, or a smaller engine share "
+                    "(rollout.gpu_memory_utilization)")
+        if not self.errors:
+            return f"no tp x pp x cp of the search divides the {self.world} trainer ranks"
+        top = self.errors.most_common(2)
+        others = sum(self.errors.values()) - sum(count for _, count in top)
+        reasons = "; ".join(f"{count} of them on {setting}, e.g. {self.examples[setting]}" for setting, count in top)
+        return (f"no layout validates for {self.world} trainer ranks: {reasons}"
+                + (f" ({others} more on other settings)" if others else ""))
+
+
+def _search(tree: Mapping[str, Any], nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> _Search:
+    """One pass over the layouts: each is validated, and its memory estimated when it validates."""
     base = parse_recipe(tree)
     world = base.rollout.trainer_world(nodes * gpus_per_node)  # the ranks that train
+    found = _Search(world, gpu_memory_gib)
     if base.rollout.separate and rollout_rank_bytes(base, gpu_memory_gib * GiB) > usable_bytes(gpu_memory_gib):
-        return []
-    found = []
+        found.engine_bytes = rollout_rank_bytes(base, gpu_memory_gib * GiB)
+        return found
     for (tp, pp, cp, ep, recompute), outcome in _attempts(tree, base, world, gpus_per_node):
         if isinstance(outcome, ValueError):
+            setting = str(outcome).split(" ", 1)[0]
+            found.errors[setting] += 1
+            found.examples.setdefault(setting, str(outcome))
             continue
         recipe, dp = outcome
         memory = estimate_memory(recipe, world, gpu_memory_gib * GiB)
+        found.smallest = memory.total if found.smallest is None else min(found.smallest, memory.total)
         if memory.total <= usable_bytes(gpu_memory_gib):
             seconds = step_seconds(recipe, world, gpus_per_node)
-            found.append(Candidate(tp, pp, cp, recompute, dp, memory, seconds, ep))
-    return sorted(found, key=lambda c: (c.seconds, c.tp * c.pp * c.cp, c.ep or 1))
+            found.candidates.append(Candidate(tp, pp, cp, recompute, dp, memory, seconds, ep))
+    found.candidates.sort(key=lambda c: (c.seconds, c.tp * c.pp * c.cp, c.ep or 1))
+    return found
 
 
 def _attempts(tree: Mapping[str, Any], base: Recipe, world: int, gpus_per_node: int):
@@ -136,40 +194,6 @@ def _attempts(tree: Mapping[str, Any], base: Recipe, world: int, gpus_per_node: 
                     except ValueError as err:
                         outcome = err
                     yield (tp, pp, cp, ep, recompute), outcome
-
-
-def why_none_fits(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> str:
-    """Why search_tree found nothing: the engine of a rollout rank, the validation every layout fails
-    (the commonest message: batch sizes not divisible by the data-parallel size, ...), or the memory."""
-    base = parse_recipe(tree)
-    world = base.rollout.trainer_world(nodes * gpus_per_node)
-    if base.rollout.separate and rollout_rank_bytes(base, gpu_memory_gib * GiB) > usable_bytes(gpu_memory_gib):
-        return (f"a rollout rank's engine needs {rollout_rank_bytes(base, gpu_memory_gib * GiB) / GiB:.1f} GiB, more "
-                f"than the {usable_bytes(gpu_memory_gib) / GiB:.1f} GiB usable: lower rollout.gpu_memory_utilization "
-                "or raise rollout.tensor_parallel_size")
-    errors: Counter[str] = Counter()          # by the setting each message starts with (its first word)
-    examples: dict[str, str] = {}
-    smallest = None
-    for _, outcome in _attempts(tree, base, world, gpus_per_node):
-        if isinstance(outcome, ValueError):
-            setting = str(outcome).split(" ", 1)[0]
-            errors[setting] += 1
-            examples.setdefault(setting, str(outcome))
-            continue
-        total = estimate_memory(outcome[0], world, gpu_memory_gib * GiB).total
-        smallest = total if smallest is None else min(smallest, total)
-    if smallest is not None:
-        return (f"every layout that validates needs at least {smallest / GiB:.1f} GiB per GPU, more than the "
-                f"{usable_bytes(gpu_memory_gib) / GiB:.1f} GiB usable: more GPUs, a shorter token budget "
-                "(trainer.max_tokens_per_micro_batch), more offload, or a smaller engine share "
-                "(rollout.gpu_memory_utilization)")
-    if not errors:
-        return f"no tp x pp x cp of the search divides the {world} trainer ranks"
-    top = errors.most_common(2)
-    others = sum(errors.values()) - sum(count for _, count in top)
-    reasons = "; ".join(f"{count} of them on {setting}, e.g. {examples[setting]}" for setting, count in top)
-    return (f"no layout validates for {world} trainer ranks: {reasons}"
-            + (f" ({others} more on other settings)" if others else ""))
 
 
 def step_seconds(recipe: Recipe, world: int, gpus_per_node: int) -> float:

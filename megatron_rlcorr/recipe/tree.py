@@ -5,6 +5,8 @@ settings types. Overrides are parsed as YAML values (`optim.lr=1e-4`, `x=null`, 
 """
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -63,9 +65,16 @@ def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str,
                 raise ValueError(f"override {item!r}: {key} is not a section")
             node = child
         try:
-            node[keys[-1]] = yaml.safe_load(text)
+            node[keys[-1]] = copy.deepcopy(_parse_value(text))
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ValueError(f"override {item!r}: its value is not valid YAML ({problem}); quote an override that "
                              "holds spaces as one shell word, e.g. 'data.reward={aime: dapo_math}'") from None
     return tree
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_value(text: str) -> Any:
+    """An override's value as YAML parses it, parsed once per text (plan --search applies the same
+    few layout overrides to hundreds of candidates); callers copy it, as it may be a list or mapping."""
+    return yaml.safe_load(text)

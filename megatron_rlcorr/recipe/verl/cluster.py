@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..layout_search import RECOMPUTE_SETTINGS, Candidate, search_tree, why_none_fits
+from ..layout_search import RECOMPUTE_SETTINGS, Candidate, search_with_reason
 from ..tree import apply_overrides
 from .core import Mapper
 from .tables import R, build_tree
@@ -68,14 +68,13 @@ def _search(m: Mapper, keys: list[str], nodes: int, gpus: int, split: str) -> No
     tree = apply_overrides(build_tree(m.flat), m.overrides)
     tree.setdefault("trainer", {})["logger"] = ["console"]
     try:
-        candidates = search_tree(tree, nodes=nodes, gpus_per_node=gpus, gpu_memory_gib=GPU_MEMORY_GIB)
+        candidates, why_none = search_with_reason(tree, nodes=nodes, gpus_per_node=gpus, gpu_memory_gib=GPU_MEMORY_GIB)
     except ValueError as err:
         _skip(m, keys, f"{launch}; the layout for them is not chosen here, as the recipe does not load ({err}): "
                        + _how_to_load(tree, search, err))
         return
     if not candidates:
-        _skip(m, keys, f"{launch}; no layout of `{search}` fits them ({GPU_MEMORY_GIB:g} GiB GPUs): "
-                       f"{why_none_fits(tree, nodes=nodes, gpus_per_node=gpus, gpu_memory_gib=GPU_MEMORY_GIB)}")
+        _skip(m, keys, f"{launch}; no layout of `{search}` fits them ({GPU_MEMORY_GIB:g} GiB GPUs): {why_none}")
         return
     _apply(m, candidates, nodes, gpus)
     _skip(m, keys, f"{launch}; the layout for them is plan --search's (the mapped parallel.* and model.recompute)")
