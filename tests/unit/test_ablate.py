@@ -1,5 +1,6 @@
 """tools/ablate.py: the plan of runs, the argument errors, the table and figures from synthetic
-metrics, and one real tiny invocation (2 settings x 1 seed x 2 steps on 1 process)."""
+metrics, and one real tiny invocation (2 settings x 1 seed x 2 steps on 1 process: one run trained
+beforehand in the test pool and kept by --skip-done, the other launched by ablate)."""
 from __future__ import annotations
 
 import importlib.util
@@ -277,10 +278,22 @@ def test_plan_runs_overrides_and_paths(tmp_path):
 # ---- the real thing, tiny -----------------------------------------------------------------------
 
 @pytest.mark.distributed
-def test_end_to_end_two_settings_one_seed(tmp_path):
+def test_end_to_end_two_settings_one_seed(tmp_path, capsys):
+    """The "none" run is trained first, on a pool process, with the overrides ablate plans for it
+    (train's entry point, as the launch runs it): ablate --skip-done keeps it and launches only the
+    "dapo" run (torchrun, one process), and the report reads both."""
+    from tests.dist import run_distributed
+    from tests.runs import entry_point
+
     argv = ["--recipe", str(TINY), "--out", str(tmp_path), "--lag", "1", "--seeds", "3", "--settings", "none",
             "dapo", "--steps", "2", "--nproc", "1", *SMALL, "trainer.dump_every=1"]
-    assert ablate.main(argv) == 0
+    done = ablate.plan_runs(ablate.parse_args(argv))[0]
+    assert done.label == "none_s3"
+    (code, _), = run_distributed(entry_point, 1, "train", ["--config", str(TINY), *done.overrides])
+    assert code == 0 and ablate.is_done(done)
+    assert ablate.main([*argv, "--skip-done"]) == 0
+    assert "[1/2] none_s3: done already" in capsys.readouterr().out
+    assert not (tmp_path / "runs" / "none_s3" / "train.log").exists()  # not launched
     saved = json.loads((tmp_path / "ablation.json").read_text())
     assert set(saved["summary"]) == {"none", "dapo"} and saved["meta"]["lag"] == 1
     # the DAPO block rejects; its rejections are split by answer from the runs' dumps, none has none
