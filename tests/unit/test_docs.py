@@ -12,7 +12,8 @@ neither fails `test_every_docs_command_is_run_or_mapped`, so a new one cannot sl
   a SLURM allocation gives it, with --dry-run added, and must print the torchrun line for the
   requested nodes). Files a command names that a user would have (`scored.jsonl`, `runs/my_run`,
   `my_script.sh`, ...) are made by FIXTURES in a scratch directory, which links `recipes/`. The
-  command must exit 0, or the code its comment documents (`# exits 1: ...`).
+  command must exit 0, or the code its comment documents (`# exits 1: ...`). A command quoted on
+  several pages runs once; its other occurrences assert that run's outcome.
 - mapped elsewhere (`ELSEWHERE`): commands that cannot run on a CPU machine in seconds (GPU, vLLM,
   multi-process trainings of minutes, a fresh virtual environment), each mapped to the tests that
   run what it does, or to why no test can. The table is checked too: each named test exists, and
@@ -509,9 +510,22 @@ def _id(command: DocCommand) -> str:
     return f"{command.page}:{key}"
 
 
+# A command quoted on several pages (the same text and the same expected exit) runs once per
+# session; each other occurrence asserts that run's outcome: None (it passed) or why it failed.
+_OUTCOMES: dict[tuple[str, int], str | None] = {}
+
+
 @pytest.mark.parametrize("command", _runnable_commands(), ids=_id)
 def test_docs_command_runs(command, tmp_path, monkeypatch, capsys):
-    _run(command, tmp_path, monkeypatch, capsys)
+    key = (command.text, command.expected_exit)
+    if key not in _OUTCOMES:
+        try:
+            _run(command, tmp_path, monkeypatch, capsys)
+        except Exception as err:
+            _OUTCOMES[key] = f"{type(err).__name__}: {err}"
+            raise
+        _OUTCOMES[key] = None
+    assert _OUTCOMES[key] is None, f"this command failed where another page quotes it: {_OUTCOMES[key]}"
 
 
 def test_every_docs_command_is_run_or_mapped():
