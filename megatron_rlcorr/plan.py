@@ -201,7 +201,7 @@ def _parameters_line(report: dict[str, Any]) -> str:
 
 
 def format_search(candidates: list, *, limit: int = 10, why_none: str = "") -> str:
-    """The layouts that fit, or (none) why none does (layout_search.why_none_fits)."""
+    """The layouts that fit, or (none) why none does (layout_search.search_with_reason)."""
     if not candidates:
         return "no layout of the search space fits" + (f": {why_none}" if why_none else "")
     lines = ["layouts that fit, cheapest first (estimated communication + bubble + recompute s/step, memory GiB/GPU):"]

@@ -12,7 +12,6 @@ Also the launcher's helpers for tests/unit/test_launch.py: the environment it re
 call.
 """
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rlcorr.runtime import VERBOSE_ENV
+from tests.dist_pool import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "tools" / "launch.sh"
@@ -46,12 +46,6 @@ def clean_env(**extra: str) -> dict[str, str]:
 def launch(*args: str, env: dict[str, str], cwd: Path = ROOT, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(LAUNCH), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

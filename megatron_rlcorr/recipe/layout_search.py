@@ -10,9 +10,9 @@ stay. A candidate is kept when the whole recipe validates for the launch
 headroom `plan` keeps (plan.HEADROOM). With rollout.placement separate the candidates are layouts
 of the trainer ranks (the launch less rollout.num_ranks), whose memory holds no engine; when a
 rollout rank's engine does not fit its GPU (memory.rollout_rank_bytes) no candidate does. When none
-fits, `why_none_fits` says why: that engine, the settings every layout fails to validate on (batch
-sizes the data-parallel sizes do not divide, ...), or the memory of the smallest layout that validates;
-`search_with_reason` gives both from one pass over the layouts.
+fits, `search_with_reason` says why: that engine, the settings every layout fails to validate on
+(batch sizes the data-parallel sizes do not divide, ...), or the memory of the smallest layout that
+validates.
 
 Ranking: an estimate of the seconds per RL step spent waiting on other GPUs, from bytes moved and
 link bandwidth, plus the pipeline bubble and recomputation as time. The constants below are
@@ -96,33 +96,23 @@ def layout_overrides(tp: int, pp: int, cp: int, recompute: str, ep: int | None =
 def search_layouts(path: str | Path, overrides: Sequence[str], *, nodes: int, gpus_per_node: int,
                    gpu_memory_gib: float) -> list[Candidate]:
     """Every candidate that validates and fits, cheapest first (module docstring)."""
-    return search_tree(read_tree(Path(path), overrides), nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)
-
-
-def search_tree(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> list[Candidate]:
-    """search_layouts of a recipe tree (read once; each candidate applies its layout to a copy).
-    ValueError when the recipe itself does not load (its message)."""
-    return search_with_reason(tree, nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)[0]
-
-
-def why_none_fits(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> str:
-    """Why search_tree found nothing: the engine of a rollout rank, the validation every layout fails
-    (the commonest message: batch sizes not divisible by the data-parallel size, ...), or the memory."""
-    return _search(tree, nodes, gpus_per_node, gpu_memory_gib).why()
+    return search_with_reason(read_tree(Path(path), overrides), nodes=nodes, gpus_per_node=gpus_per_node,
+                              gpu_memory_gib=gpu_memory_gib)[0]
 
 
 def search_with_reason(tree: Mapping[str, Any], *, nodes: int, gpus_per_node: int,
                        gpu_memory_gib: float) -> tuple[list[Candidate], str]:
-    """search_tree's candidates and, when there are none, why_none_fits's reason ("" otherwise),
-    from one pass over the layouts (each candidate is parsed, validated and estimated once)."""
+    """search_layouts of a recipe tree (read once; each candidate applies its layout to a copy), and,
+    when no candidate fits, why not ("" otherwise: module docstring), from one pass over the layouts
+    (each candidate is parsed, validated and estimated once). ValueError when the recipe itself does
+    not load (its message)."""
     found = _search(tree, nodes, gpus_per_node, gpu_memory_gib)
     return found.candidates, "" if found.candidates else found.why()
 
 
 @dataclass
 class _Search:
-    """What one pass over the search space found: the candidates that fit, and what why_none_fits
-    needs (the validation errors by setting, the smallest memory of a layout that validates)."""
+    """What one pass over the search space found: the candidates that fit, and what `why` needs (the validation errors by setting, the smallest memory of a layout that validates)."""
 
     world: int
     gpu_memory_gib: float

@@ -10,7 +10,7 @@ readable here, or model.architecture given (`import-verl SCRIPT --out R.yaml
 model.architecture=qwen2.5-32b`). Otherwise the report says which command chooses it.
 Which: among the layouts that fit GPUs of GPU_MEMORY_GIB (plan's default), the cheapest that keeps
 the tp/pp/cp/ep the source sets, else the cheapest of all (none fits: the note says why, as
-layout_search.why_none_fits finds it); the source's other settings (offload, the
+layout_search.search_with_reason finds it); the source's other settings (offload, the
 engine's share, the token budget, ...) stay as mapped. The trackers are left out of the search:
 they change no memory, and planning needs none of their extras installed.
 """
