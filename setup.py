@@ -38,8 +38,10 @@ setup(
         "wandb": ["wandb>=0.19,<1"],
         "mlflow": ["mlflow-skinny>=3.0,<4"],
         # wandb 0.31: tests/distributed/test_trackers_run.py reads offline runs with `wandb leet inspect`
-        "dev": ["pytest>=8.0", "pytest-timeout>=2.2", "matplotlib>=3.7", "tensorboard>=2.14", "wandb>=0.31,<1",
-                "mlflow-skinny>=3.0,<4"],
+        # pytest-xdist: tools/test.sh runs the suite on two worker processes; filelock: the workers build the
+        # session's tiny checkpoints once between them (tests/conftest.py)
+        "dev": ["pytest>=8.0", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "filelock>=3.12", "matplotlib>=3.7",
+                "tensorboard>=2.14", "wandb>=0.31,<1", "mlflow-skinny>=3.0,<4"],
     },
     entry_points={"console_scripts": ["megatron-rlcorr=megatron_rlcorr.cli:main"]},
 )

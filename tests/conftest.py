@@ -38,15 +38,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _make_tiny_hf(tmp_path_factory, name: str, *flags: str):
+    """tools/make_tiny_hf.py's files, built once per test run (tests/session_once.py)."""
     import importlib.util
     from pathlib import Path
+
+    from tests.session_once import once
 
     path = Path(__file__).resolve().parents[1] / "tools" / "make_tiny_hf.py"
     spec = importlib.util.spec_from_file_location("make_tiny_hf", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    out = tmp_path_factory.mktemp(name)
-    assert tool.main(["--out", str(out), "--seed", "0", *flags]) == 0
+    out, code = once(tmp_path_factory, name, lambda out: tool.main(["--out", str(out), "--seed", "0", *flags]))
+    assert code == 0
     return out
 
 
@@ -72,10 +75,23 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The distributed tests' process pools (tests/dist_pool.py) end with the session."""
-    from tests.dist import close_pools
+    """The distributed tests' process pools (tests/dist_pool.py) end with the session; a pytest-xdist
+    worker hands its pool counts to the controller, which reports them."""
+    from tests.dist import close_pools, pool_stats
 
     close_pools()
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["pool_stats"] = pool_stats
+
+
+def pytest_testnodedown(node, error):
+    """(pytest-xdist's controller) A worker's pool counts, added to the run's."""
+    from tests.dist import pool_stats
+
+    theirs = getattr(node, "workeroutput", {}).get("pool_stats")
+    if theirs:
+        pool_stats["started"] += theirs["started"]
+        pool_stats["replaced"].extend(theirs["replaced"])
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -21,6 +21,7 @@ import pytest
 
 from megatron_rlcorr.runtime import VERBOSE_ENV
 from tests.dist_pool import free_port
+from tests.session_once import once
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "tools" / "launch.sh"
@@ -53,12 +54,17 @@ def tiny_cpu_launch(tmp_path_factory):
     """The launch, finished (whether it succeeded is each test's to assert): `proc` (its exit code;
     stdout: the launcher's lines and torchrun's stdout and stderr, the ranks' included; stderr: the
     launcher's own), `log` (LOG_DIR's node0.log), `run_dir` (the recipe's run under
-    trainer.output_dir) and `steps`."""
-    out = tmp_path_factory.mktemp("tiny_cpu_launch")
-    env = clean_env(PYTHON=sys.executable, NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
-                    LOG_DIR=str(out / "logs"), CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
-    env.pop(VERBOSE_ENV, None)  # the console a newcomer sees: the known warnings hidden
-    proc = launch("recipes/tiny_cpu.yaml", *LAUNCH_OVERRIDES, f"trainer.output_dir={out}", env=env, timeout=240)
+    trainer.output_dir) and `steps`. Once per test run, on whichever pytest-xdist worker asks first
+    (tests/session_once.py)."""
+
+    def run(out: Path) -> dict:
+        env = clean_env(PYTHON=sys.executable, NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
+                        LOG_DIR=str(out / "logs"), CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+        env.pop(VERBOSE_ENV, None)  # the console a newcomer sees: the known warnings hidden
+        proc = launch("recipes/tiny_cpu.yaml", *LAUNCH_OVERRIDES, f"trainer.output_dir={out}", env=env, timeout=240)
+        return dict(args=proc.args, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
+
+    out, proc = once(tmp_path_factory, "tiny_cpu_launch", run)
     log = out / "logs" / "node0.log"  # absent when the launcher refused the launch
-    return SimpleNamespace(proc=proc, log=log.read_text() if log.exists() else "", run_dir=out / "tiny_cpu",
-                           steps=LAUNCH_STEPS)
+    return SimpleNamespace(proc=subprocess.CompletedProcess(**proc), log=log.read_text() if log.exists() else "",
+                           run_dir=out / "tiny_cpu", steps=LAUNCH_STEPS)

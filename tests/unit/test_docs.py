@@ -203,7 +203,7 @@ ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
     "bash tools/test.sh": (
         ("tests/unit/test_readme.py::test_ci_runs_the_readme_test_command",
          "tests/unit/test_readme.py::test_the_test_command_fails_when_pytest_collects_nothing"),
-        "the whole suite, minutes to half an hour: CI (.ci/run) runs exactly this command, and the second test "
+        "the whole suite, about 10 minutes on 2 cores: CI (.ci/run) runs exactly this command, and the second test "
         "runs it on a selection that collects nothing and checks that it fails"),
     "megatron-rlcorr eval --model runs/my_run --data /data/aime-2024.parquet --out eval/my_run --n 16 "
     "--temperature 1.0": (

@@ -63,7 +63,8 @@ def test_the_test_command_fails_when_pytest_collects_nothing():
     venv = Path(sys.prefix)
     if not (venv / ".rlcorr-installed").is_file():
         pytest.skip("not running in an environment that tools/_env.sh built")
-    env = {**os.environ, "RLCORR_VENV": str(venv)}
+    # Not this pytest's own variables (a pytest-xdist worker's included): the command runs as typed in a shell.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "RLCORR_VENV": str(venv)}
     out = subprocess.run(["bash", "tools/test.sh", "tests/unit/test_readme.py", "-k", "no_test_is_named_this"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 5, out.stdout[-2000:] + out.stderr[-2000:]
