@@ -19,6 +19,8 @@ setup(
         "tokenizers>=0.21",
         "transformers>=4.56,<6",
         "pyarrow>=15",
+        # tool configs of multi-turn rollouts: their JSON Schemas checked, tool-call arguments validated
+        "jsonschema>=4.18",
         # Megatron-Core's checkpoint writer (dist_checkpointing filesystem_async) imports it.
         "psutil>=5.9",
     ],

@@ -140,6 +140,18 @@ class HFTokenizer:
                                                       return_dict=False)
         return _ids_of(encoded)
 
+    def chat_ids(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                 add_generation_prompt: bool) -> list[int]:
+        """Ids of a whole conversation through the chat template, with the tool schemas passed as the
+        template's `tools=` (multi-turn rollouts, rollout/tools/loop.py)."""
+        if not self.has_chat_template:
+            raise ValueError(f"the tokenizer in {self.path} has no chat template, and multi-turn rollouts render "
+                             "every turn through one: use a tokenizer with a chat template")
+        encoded = self._tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                      add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                      return_dict=False)
+        return _ids_of(encoded)
+
     def decode(self, response_ids: Sequence[int]) -> str:
         """Text of a response up to (not including) its first EOS; special tokens skipped, unknown ids as U+FFFD."""
         ids = [int(i) for i in response_ids]

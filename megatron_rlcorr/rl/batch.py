@@ -6,6 +6,11 @@ tokens[t + 1] (`targets_BT`), so the response occupies positions [len(prompt) - 
 Rollout log-probs that are non-finite or positive (a rollout engine's bug or overflow) are taken
 out of the response mask before anything else sees them (docs/api.md); their count is
 returned so the trainer can report `rollout_corr/invalid_rollout_token_fraction`.
+
+Multi-turn samples (RolloutGroups.response_masks) keep the tokens inserted between turns in the
+sequence (the model reads them) but out of the response mask: no rollout log-prob, IS weight,
+rejection, advantage or gradient, and they are not counted as invalid. Every downstream consumer
+(the correction, the loss, the metrics) reads only the mask, so it sees exactly the model's tokens.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ def build_step_batch(groups: RolloutGroups, advantages_B: torch.Tensor, *,
     normaliser, mean or metric downstream; their invalid tokens are not counted either.
     """
     tokens_BT, targets_BT, response_BT, rollout_lp_BT = padded_sequences(
-        groups.prompt_ids(), groups.response_ids, groups.logprobs, pad_multiple=pad_multiple)
+        groups.prompt_ids(), groups.response_ids, groups.logprobs, pad_multiple=pad_multiple,
+        response_masks=groups.response_masks)
     filler_B = groups.filler_G.repeat_interleave(groups.n)
     response_BT &= ~filler_B[:, None]
     invalid_BT = response_BT & (~torch.isfinite(rollout_lp_BT) | (rollout_lp_BT > 0))
@@ -74,11 +80,13 @@ def routed_experts(groups: RolloutGroups, width: int) -> torch.Tensor | None:
     return out
 
 def padded_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                     logprobs: Sequence[torch.Tensor | Sequence[float]] | None = None, *, pad_multiple: int = 1
+                     logprobs: Sequence[torch.Tensor | Sequence[float]] | None = None, *, pad_multiple: int = 1,
+                     response_masks: Sequence[Sequence[int] | None] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens_BT, targets_BT, response_BT bool, log-probs_BT float32) of prompt + response rows,
     right-padded with PAD = 0 to the longest row rounded up to `pad_multiple` (module docstring);
-    `logprobs` gives one value per response token (zeros when None)."""
+    `logprobs` gives one value per response token (zeros when None); `response_masks` (per row, None:
+    all ones) takes a multi-turn row's inserted tokens out of response_BT."""
     num_seqs = len(prompt_ids)
     longest = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
     width = -(-longest // pad_multiple) * pad_multiple
@@ -92,7 +100,12 @@ def padded_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence
         tokens_BT[i, : len(prompt) + length] = torch.tensor(list(prompt) + list(response), dtype=torch.int64)
         if logprobs is not None:
             logprobs_BT[i, start:start + length] = torch.as_tensor(logprobs[i], dtype=torch.float32)
-        response_BT[i, start:start + length] = True
+        mask = None if response_masks is None else response_masks[i]
+        if mask is None:
+            response_BT[i, start:start + length] = True
+        else:
+            assert len(mask) == length, f"sequence {i}: a response mask of {len(mask)} for {length} response tokens"
+            response_BT[i, start:start + length] = torch.tensor(list(mask), dtype=torch.bool)
     targets_BT = torch.zeros_like(tokens_BT)
     targets_BT[:, :-1] = tokens_BT[:, 1:]
     return tokens_BT, targets_BT, response_BT, logprobs_BT

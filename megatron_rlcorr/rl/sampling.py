@@ -100,6 +100,10 @@ class RolloutGroups:
     routed_experts: list[torch.Tensor | None] | None = None         # [G * n] each [len(response), MoE layers, k]
     prompt_routed_experts: list[torch.Tensor | None] | None = None  # [G * n] each [len(prompt) - 1, MoE layers, k]
     routing: RoutingLayout | None = None    # what the two hold; from the first recorded tensor when None
+    # Multi-turn rollouts (rollout/tools/loop.py): per sample, 1 on each response token the engine sampled and 0 on
+    # the tokens inserted between turns (tool responses, the template's turn markers), which have no rollout
+    # log-prob and take part in nothing the trainer computes. None (the list, or an entry): all sampled.
+    response_masks: list[list[int] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.filler_G is None:
@@ -150,6 +154,7 @@ class RolloutGroups:
             routed_experts=pick(self.routed_experts),
             prompt_routed_experts=pick(self.prompt_routed_experts),
             routing=self.routing,
+            response_masks=pick(self.response_masks),
         )
 
     def as_fillers(self) -> "RolloutGroups":
@@ -178,7 +183,15 @@ class RolloutGroups:
             routed_experts=joined("routed_experts"),
             prompt_routed_experts=joined("prompt_routed_experts"),
             routing=next(iter(layouts), None),
+            response_masks=_joined_masks(parts),
         )
+
+
+def _joined_masks(parts: list[RolloutGroups]) -> list[list[int] | None] | None:
+    """The parts' response masks in one list (None entries where a part has none); None when no part has any."""
+    if all(part.response_masks is None for part in parts):
+        return None
+    return [m for part in parts for m in (part.response_masks or [None] * len(part.response_ids))]
 
 
 def score_response(task: Task, prompt: Prompt, response_ids: list[int]) -> tuple[float, float]:
