@@ -84,6 +84,7 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.workeroutput["pool_stats"] = pool_stats
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown when the plugin is off (-p no:xdist)
 def pytest_testnodedown(node, error):
     """(pytest-xdist's controller) A worker's pool counts, added to the run's."""
     from tests.dist import pool_stats

@@ -110,3 +110,14 @@ def test_the_correction_sees_the_model_tokens_alone(name, garbage):
     for key in want.metrics:
         a, b = float(got.metrics[key]), float(want.metrics[key])
         assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6, abs=1e-7), key
+
+
+def test_dynamic_samplings_select_and_concat_keep_each_samples_mask():
+    multi, compact, masks = multi_turn_and_compact()
+    picked = multi.select([1])
+    assert picked.response_masks == masks[N:2 * N]
+    joined = RolloutGroups.concat([picked, compact.select([0])])  # a part without masks: all sampled
+    assert joined.response_masks == masks[N:2 * N] + [None] * N
+    batch, _ = build_step_batch(joined, torch.zeros(2 * N))
+    assert batch.response_mask_BT[N:].sum() == sum(len(r) for r in compact.response_ids[:N])
+    assert RolloutGroups.concat([compact, compact]).response_masks is None

@@ -71,6 +71,19 @@ def test_the_test_command_fails_when_pytest_collects_nothing():
     assert "[env] installing" not in out.stdout
 
 
+def test_the_suite_collects_without_pytest_xdist():
+    """The suite's hooks for pytest-xdist are optional: with the plugin off (`-p no:xdist`, or not
+    installed) pytest still collects (exit 5 here: the selection is empty), not an internal error (3)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-q", "tests/unit/test_readme.py", "-k",
+                          "no_test_is_named_this"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 5, out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def test_the_hugging_face_recipe_example_loads(tiny_hf, tmp_path):
     """docs/models-and-data.md's recipe for a Hugging Face checkpoint and a parquet file, with its
     placeholder paths pointed at the tiny files, loads and passes the launch checks for 8 processes."""
