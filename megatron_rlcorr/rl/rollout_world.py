@@ -11,15 +11,16 @@ on neither the training layout nor the number of engines: one process, dp2, tp2,
 sample identical rollouts.
 
 Two exchanges per step, sized so that nothing of O(tokens) goes to every rank:
-1. After each round, a table of 9 float64 per sample (length, EOS, score, acc, reward, and the
+1. After each round, a table of 10 float64 per sample (length, EOS, score, acc, reward, the
    layout of its recorded MoE routing: MoE layers, top-k, bytes per expert index (0: none), prompt
-   rows recorded) is all-gathered among `groups.rollout_peers` (the ranks holding the same
+   rows recorded; and whether it carries a multi-turn response mask) is all-gathered among `groups.rollout_peers` (the ranks holding the same
    position in their rollout group). Every rank then knows every group's statistics, so DAPO
    dynamic sampling (sampling.dynamic_sample) runs on the step's whole batch, identically
    everywhere; the tokens stay where they were generated.
 2. Once the step's batch is chosen, each rank receives the tokens and log-probs of its replica's
    share from the rank that generated them (`share_of_replica`: point-to-point, sizes known from
-   the table, 8 bytes per token: ids as float32, exact below 2**24, and float32 log-probs). A
+   the table, 8 bytes per token: ids as float32, exact below 2**24, and float32 log-probs; 12 with
+   multi-turn samples in the round, whose response masks follow as a third float32 segment). A
    rank of rollout group k serves the receivers whose position in their own rollout group
    matches its own, which spreads the sending over the group's ranks. MoE models: the routed
    experts (response rows, and prompt rows where recorded) follow in a second message of raw bytes
@@ -42,7 +43,7 @@ from .sampling import RolloutGroups, RoutingLayout, generate_groups
 if TYPE_CHECKING:  # Megatron-Core is imported inside the process groups only (runtime.py)
     from ..parallel.groups import ParallelGroups
 
-_COLUMNS = 9  # length, eos, score, acc, reward, routed layers, top-k, index bytes (0: no routing), prompt rows
+_COLUMNS = 10  # length, eos, score, acc, reward, routed layers, top-k, index bytes (0: no routing), prompt rows, masked
 _INDEX_DTYPES = {1: torch.uint8, 2: torch.int16}  # rollout.base.routed_experts_dtype's choices, by size
 _EXACT_IDS = 1 << 24  # float32 holds every integer below this exactly
 
@@ -72,7 +73,17 @@ def sample_round(engine: RolloutEngine, task: Task, prompts: list[Prompt], seeds
                             seeds=seeds[start:end]) if end > start else None
     if num_engines == 1:
         return local
-    n = rollout.n
+    return gather_round(local, prompts, rollout.n, groups, device=device)
+
+
+def gather_round(local: RolloutGroups | None, prompts: list[Prompt], n: int, groups: ParallelGroups, *,
+                 device: torch.device | str = "cpu") -> RolloutGroups:
+    """The whole round from each rollout group's `local` samples of its chunk of `prompts` (None:
+    an empty chunk): the statistics table all-gathered among the rollout peers (collective)."""
+    size = groups.rollout_group_size
+    num_engines = dist.get_world_size() // size
+    bounds = chunk_bounds(len(prompts), num_engines)
+    start = bounds[dist.get_rank() // size][0]
     table = torch.zeros(max(e - s for s, e in bounds) * n, _COLUMNS, dtype=torch.float64)
     if local is not None:
         table[: len(local) * n] = _stats_table(local)
@@ -87,14 +98,16 @@ def _stats_table(rollouts: RolloutGroups) -> torch.Tensor:
     layout = rollouts.routing
     routing = [0, 0, 0, 0] if layout is None else [layout.layers, layout.topk, layout.dtype.itemsize, layout.prompt]
     routing_B4 = torch.tensor(routing, dtype=torch.float64).expand(len(rollouts.finish_reasons), 4)
+    masks = rollouts.response_masks or [None] * len(rollouts.finish_reasons)
+    masked_B1 = torch.tensor([[m is not None] for m in masks], dtype=torch.float64)
     return torch.cat([torch.stack([rollouts.lengths_B.double(), eos, rollouts.scores_GN.reshape(-1).double(),
                                    rollouts.acc_GN.reshape(-1).double(), rollouts.rewards_GN.reshape(-1).double()],
-                                  dim=1), routing_B4], dim=1)
+                                  dim=1), routing_B4, masked_B1], dim=1)
 
 
 def _routing_layout(rows: torch.Tensor) -> RoutingLayout | None:
     """The round's routing layout from its table (every engine records alike; None: no routing)."""
-    recorded = rows[rows[:, 7] > 0, 5:]
+    recorded = rows[rows[:, 7] > 0, 5:9]
     if len(recorded) == 0:
         return None
     layers, topk, size, prompt = (int(v) for v in recorded[0].tolist())
@@ -118,6 +131,7 @@ def _round_groups(prompts: list[Prompt], rows: torch.Tensor, local: RolloutGroup
 
     routed = None if layout is None else spread("routed_experts")
     prompt_routed = spread("prompt_routed_experts") if layout is not None and layout.prompt else None
+    masks = spread("response_masks") if bool((rows[:, 9] > 0).any()) else None
     lengths, eos, scores, acc, rewards = rows[:, :5].unbind(1)
     source_G = torch.cat([torch.full((e - s,), k, dtype=torch.int64) for k, (s, e) in enumerate(bounds)])
     return RolloutGroups(prompts=list(prompts), response_ids=spread("response_ids"),
@@ -125,7 +139,8 @@ def _round_groups(prompts: list[Prompt], rows: torch.Tensor, local: RolloutGroup
                          finish_reasons=["eos" if e else "length" for e in eos.tolist()],
                          scores_GN=scores.float().reshape(-1, n), rewards_GN=rewards.float().reshape(-1, n),
                          acc_GN=acc.float().reshape(-1, n), lengths_B=lengths.long(), source_G=source_G,
-                         routed_experts=routed, prompt_routed_experts=prompt_routed, routing=layout)
+                         routed_experts=routed, prompt_routed_experts=prompt_routed, routing=layout,
+                         response_masks=masks)
 
 
 def share_of_replica(batch: RolloutGroups, groups: ParallelGroups, *,
@@ -138,14 +153,14 @@ def share_of_replica(batch: RolloutGroups, groups: ParallelGroups, *,
     share = batch.select(list(range(groups.dp_rank * per_replica, (groups.dp_rank + 1) * per_replica)))
     sends, receives = _transfer_plan(batch, groups, per_replica)
     n, ops, inbox = batch.n, [], {}
-    routed = batch.routing is not None
+    routed, segments = batch.routing is not None, 2 if batch.response_masks is None else 3
     for dst, group_idx in sends.items():
         ops.append(dist.P2POp(dist.isend, _pack(batch, group_idx).to(device), dst))
         if routed:
             ops.append(dist.P2POp(dist.isend, _pack_routing(batch, group_idx).to(device), dst))
     for src, group_idx in receives.items():
         rows = [g * n + j for g in group_idx for j in range(n)]
-        buffers = [torch.empty(2 * int(batch.lengths_B[rows].sum()), device=device)]
+        buffers = [torch.empty(segments * int(batch.lengths_B[rows].sum()), device=device)]
         if routed:
             buffers.append(torch.empty(_routing_bytes(batch, group_idx), dtype=torch.uint8, device=device))
         inbox[src] = (group_idx, buffers)
@@ -186,23 +201,31 @@ def _transfer_plan(batch: RolloutGroups, groups: ParallelGroups, per_replica: in
 
 
 def _pack(batch: RolloutGroups, group_idx: list[int]) -> torch.Tensor:
-    """Token ids then log-probs of the groups' samples, float32, in row order."""
+    """Token ids then log-probs of the groups' samples, float32, in row order; then their response
+    masks when the batch has multi-turn samples (1 for every token of a sample without one)."""
     rows = [g * batch.n + j for g in group_idx for j in range(batch.n)]
     ids = [t for r in rows for t in batch.response_ids[r]]
     if ids and max(ids) >= _EXACT_IDS:
         raise ValueError(f"token id {max(ids)} is too large to travel as float32 (vocabularies up to {_EXACT_IDS})")
     logprobs = [batch.logprobs[r].float() for r in rows]
-    return torch.cat([torch.tensor(ids, dtype=torch.float32), *logprobs])
+    segments = [torch.tensor(ids, dtype=torch.float32), *logprobs]
+    if batch.response_masks is not None:
+        masks = [batch.response_masks[r] or [1] * len(batch.response_ids[r]) for r in rows]
+        segments.append(torch.tensor([m for mask in masks for m in mask], dtype=torch.float32))
+    return torch.cat(segments)
 
 
 def _unpack(share: RolloutGroups, group_idx: list[int], buffer: torch.Tensor) -> None:
     """Fill the share's samples of `group_idx` (share indices) from a `_pack`ed buffer."""
     rows = [g * share.n + j for g in group_idx for j in range(share.n)]
     lengths = share.lengths_B[rows].tolist()
-    ids, logprobs = buffer.split(sum(lengths))
+    ids, logprobs, *masks = buffer.split(sum(lengths))
     for row, row_ids, row_logprobs in zip(rows, ids.split(lengths), logprobs.split(lengths)):
         share.response_ids[row] = [int(t) for t in row_ids.tolist()]
         share.logprobs[row] = row_logprobs.clone()
+    if masks:
+        for row, row_mask in zip(rows, masks[0].split(lengths)):
+            share.response_masks[row] = [int(m) for m in row_mask.tolist()]
 
 
 def _routing_rows(batch: RolloutGroups, group_idx: list[int]) -> list[tuple[int, int, int]]:

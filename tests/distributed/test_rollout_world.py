@@ -157,3 +157,58 @@ def test_rollout_groups_of_two_ranks_spread_and_return_the_samples():
             d, size = got["dp_rank"], got["dp_size"]
             per_replica = 12 // size
             assert got["share"] == _slice(whole, d * per_replica, (d + 1) * per_replica, 3), (layout, rank)
+
+
+def _hand_round():
+    """4 prompts x 2 samples by hand: multi-turn samples (a response mask with inserted tokens, NaN
+    log-probs there) and single-turn ones (no mask) mixed."""
+    from megatron_rlcorr.data import Prompt
+    from megatron_rlcorr.rl.sampling import RolloutGroups
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [Prompt(ids=[1, 5 + g], answer="") for g in range(4)]
+    responses, logprobs, masks = [], [], []
+    for b in range(8):
+        length = 3 + b
+        responses.append([int(x) for x in torch.randint(2, 60, (length,), generator=gen)])
+        mask = None if b % 3 == 0 else [int(k % 4 != 2) for k in range(length)]
+        lp = -torch.rand(length, generator=gen)
+        if mask is not None:
+            lp[torch.tensor(mask) == 0] = float("nan")
+        logprobs.append(lp)
+        masks.append(mask)
+    scores = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    return prompts, RolloutGroups(prompts=prompts, response_ids=responses, logprobs=logprobs, finish_reasons=["eos"] * 8,
+                                  scores_GN=scores, rewards_GN=scores, acc_GN=scores, response_masks=masks)
+
+
+def _masked_share(rank, world_size, tp):
+    from megatron_rlcorr.parallel.cpu import enable_cpu_megatron
+    from megatron_rlcorr.parallel.groups import build_parallel_groups, destroy_parallel_groups
+    from megatron_rlcorr.rl.rollout_world import chunk_bounds, gather_round, share_of_replica
+
+    enable_cpu_megatron()
+    groups = build_parallel_groups(tp, 1, 1)
+    try:
+        prompts, whole = _hand_round()
+        start, end = chunk_bounds(len(prompts), world_size)[rank]  # the embedded engine: one per rank
+        local = whole.select(list(range(start, end))) if end > start else None
+        share = share_of_replica(gather_round(local, prompts, whole.n, groups), groups)
+        return {"dp_rank": groups.dp_rank, "dp_size": groups.dp_size, "ids": share.response_ids,
+                "masks": [m or [1] * len(r) for m, r in zip(share.response_masks, share.response_ids)],
+                "logprobs": [x.tolist() for x in share.logprobs]}
+    finally:
+        destroy_parallel_groups()
+
+
+@pytest.mark.parametrize("world_size, tp", [(2, 1), (4, 2)])
+def test_multi_turn_masks_reach_the_replica_that_trains_them(world_size, tp):
+    """All-rank generation's transfer carries each sample's response mask (and its NaN log-probs at
+    inserted tokens) to the replica that trains it: every rank's share equals the one-process batch's."""
+    _, whole = _hand_round()
+    for got in run_distributed(_masked_share, world_size, tp):
+        per = 4 // got["dp_size"]
+        want = whole.select(list(range(got["dp_rank"] * per, (got["dp_rank"] + 1) * per)))
+        assert got["ids"] == want.response_ids
+        assert got["masks"] == [m or [1] * len(r) for m, r in zip(want.response_masks, want.response_ids)]
+        assert str(got["logprobs"]) == str([x.tolist() for x in want.logprobs])  # NaN where inserted, bit for bit
