@@ -13,10 +13,11 @@ sample identical rollouts.
 Two exchanges per step, sized so that nothing of O(tokens) goes to every rank:
 1. After each round, a table of 10 float64 per sample (length, EOS, score, acc, reward, the
    layout of its recorded MoE routing: MoE layers, top-k, bytes per expert index (0: none), prompt
-   rows recorded; and whether it carries a multi-turn response mask) is all-gathered among `groups.rollout_peers` (the ranks holding the same
-   position in their rollout group). Every rank then knows every group's statistics, so DAPO
-   dynamic sampling (sampling.dynamic_sample) runs on the step's whole batch, identically
-   everywhere; the tokens stay where they were generated.
+   rows recorded; and whether it carries a multi-turn response mask) is all-gathered among
+   `groups.rollout_peers` (the ranks holding the same position in their rollout group). Every
+   rank then knows every group's statistics, so DAPO dynamic sampling (sampling.dynamic_sample)
+   runs on the step's whole batch, identically everywhere; the tokens stay where they were
+   generated.
 2. Once the step's batch is chosen, each rank receives the tokens and log-probs of its replica's
    share from the rank that generated them (`share_of_replica`: point-to-point, sizes known from
    the table, 8 bytes per token: ids as float32, exact below 2**24, and float32 log-probs; 12 with
