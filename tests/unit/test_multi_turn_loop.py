@@ -100,8 +100,14 @@ def test_the_budget_counts_inserted_tokens_and_cuts_the_last_turn(tokenizer):
     assert t.response_ids == full.response_ids[:budget] and t.response_mask == full.response_mask[:budget]
     last_turn = len(full.response_mask) - full.response_mask[::-1].index(0)  # where turn 2 starts
     assert engine.calls[1][3] == budget - last_turn  # turn 2 was sampled with what was left
-    # a budget that ends inside the inserted tokens: cut there, no further turn
+    # a budget the trajectory fills exactly: it ended by itself (EOS, no call), not by the budget
+    _, (t,) = run(tokenizer, [f"x {CALL}", "Answer: 408"], n=1, max_new_tokens=len(full.response_ids))
+    assert t.response_ids == full.response_ids and t.finish_reason == "eos"
+    # a turn that calls a tool with nothing left for the response: no tool runs, "length"
     first_turn = full.response_mask.index(0)
+    _, (t,) = run(tokenizer, [f"x {CALL}", "Answer: 408"], n=1, max_new_tokens=first_turn)
+    assert t.finish_reason == "length" and t.calls == [] and t.response_mask == [1] * first_turn
+    # a budget that ends inside the inserted tokens: cut there, no further turn
     engine, (t,) = run(tokenizer, [f"x {CALL}", "Answer: 408"], n=1, max_new_tokens=first_turn + 2)
     assert t.response_mask == [1] * first_turn + [0, 0] and t.finish_reason == "length" and len(engine.calls) == 1
 

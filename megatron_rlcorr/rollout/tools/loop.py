@@ -87,7 +87,7 @@ def run_multi_turn(engine, renderer: ChatRenderer, runner: ToolRunner, settings:
         runner.create(name, tools_kwargs[i])
     sample = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     first = engine.sample_groups(prompt_ids, n=n, seeds=list(seeds), max_new_tokens=max_new_tokens, **sample)
-    _take_turn(trajectories, range(len(trajectories)), first, max_new_tokens)
+    _take_turn(trajectories, range(len(trajectories)), first, max_new_tokens, renderer)
     turn = 1
     while True:
         active = [k for k, t in enumerate(trajectories) if not t.done]
@@ -98,15 +98,17 @@ def run_multi_turn(engine, renderer: ChatRenderer, runner: ToolRunner, settings:
         budget = max(max_new_tokens - len(trajectories[k].response_ids) for k in active)
         out = engine.sample_groups([trajectories[k].ids for k in active], n=1, max_new_tokens=budget,
                                    seeds=[turn_seed(seeds[k // n], k % n, turn) for k in active], **sample)
-        _take_turn(trajectories, active, out, max_new_tokens)
+        _take_turn(trajectories, active, out, max_new_tokens, renderer)
     for name, trajectory in zip(names, trajectories):
         trajectory.tool_rewards = runner.finish(name)
     return trajectories
 
 
-def _take_turn(trajectories: list[Trajectory], rows: Sequence[int], out, max_new_tokens: int) -> None:
+def _take_turn(trajectories: list[Trajectory], rows: Sequence[int], out, max_new_tokens: int,
+               renderer: ChatRenderer) -> None:
     """Append each row's sampled turn, cut to its trajectory's remaining budget (sampling is causal:
-    the tokens kept are those a call with the smaller budget would have drawn)."""
+    the tokens kept are those a call with the smaller budget would have drawn); a turn cut short
+    ends its trajectory."""
     for row, k in enumerate(rows):
         t = trajectories[k]
         left = max_new_tokens - len(t.response_ids)
@@ -118,25 +120,24 @@ def _take_turn(trajectories: list[Trajectory], rows: Sequence[int], out, max_new
         t.response_mask += [1] * len(ids)
         t.logprobs += logprobs
         t.assistant_turns += 1
-        t.finish_reason = finish
-        t.messages.append({"role": "assistant", "content": None, "_ids": ids})
-        if finish == "length" or len(t.response_ids) >= max_new_tokens:
-            t.finish_reason, t.done = ("length" if len(t.response_ids) >= max_new_tokens else finish), True
+        t.finish_reason, t.done = finish, finish == "length"
+        t.messages.append({"role": "assistant", "content": renderer.decode(ids)})
 
 
 def _run_tools(trajectories: list[Trajectory], names: list[str], active: list[int], runner: ToolRunner,
                settings: MultiTurnConfig, renderer: ChatRenderer, max_new_tokens: int) -> list[int]:
     """Parse the last turn of each active trajectory, run the calls, append the responses; the
-    trajectories that go on."""
+    trajectories that go on. A turn that calls a tool with no budget left ends with "length"."""
     parse = PARSERS[settings.format]
     jobs, owners = [], []
     for k in active:
         t = trajectories[k]
-        message = t.messages[-1]
-        message["content"] = renderer.decode(message.pop("_ids"))
-        calls = parse(message["content"])
+        calls = parse(t.messages[-1]["content"])
         if not calls or _at_limit(t, settings):
             t.done = True
+            continue
+        if len(t.response_ids) >= max_new_tokens:
+            t.finish_reason, t.done = "length", True
             continue
         for c, call in enumerate(calls):
             if c >= settings.max_parallel_calls:
@@ -156,9 +157,6 @@ def _run_tools(trajectories: list[Trajectory], names: list[str], active: list[in
         t.user_turns += 1
         if _insert_rendered(t, renderer, runner, max_new_tokens):
             going_on.append(k)
-    for t in trajectories:  # the finished ones' last message is text too
-        if t.messages[-1].get("_ids") is not None:
-            t.messages[-1]["content"] = renderer.decode(t.messages[-1].pop("_ids"))
     return sorted(going_on)
 
 
